@@ -1,0 +1,3 @@
+from runpool.cli import main
+
+main()

@@ -1,0 +1,72 @@
+"""One claim cycle: reap expired leases, lock tenants with room, claim their best heads."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from .queries import QUERIES
+
+__all__ = ["ClaimedRun", "claim", "reap"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedRun:
+    id: uuid.UUID
+    tenant: str
+    handler: str
+    attempt: int
+    attempt_offset: int
+    max_attempts: int
+    input: Any
+    traceparent: str | None
+    created_at: datetime
+
+    @property
+    def attempts_left(self) -> int:
+        return self.max_attempts - (self.attempt - self.attempt_offset)
+
+
+async def reap(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Return expired leases to the queue; returns how many runs were reaped."""
+    cur = await conn.execute(QUERIES["reap_expired"])
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+async def claim(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    worker_id: uuid.UUID,
+    limit: int,
+    lease_seconds: float,
+) -> list[ClaimedRun]:
+    """Claim up to `limit` runs in one short transaction (never held across handler code).
+
+    The tenant locks make quotas exact under any number of concurrent claimers; the claim
+    statement runs after them so its snapshot already sees every earlier claimer's commit.
+    """
+    if limit <= 0:
+        return []
+    async with conn.transaction():
+        await reap(conn)
+        cur = await conn.execute(QUERIES["lock_tenants"])
+        tenants = [t for (t,) in await cur.fetchall()]
+        if not tenants:
+            return []
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(
+            QUERIES["claim_runs"],
+            {
+                "tenants": tenants,
+                "limit": limit,
+                "worker_id": worker_id,
+                "lease_seconds": lease_seconds,
+            },
+        )
+        return [ClaimedRun(**row) for row in await cur.fetchall()]

@@ -1,0 +1,240 @@
+"""`python -m runpool`: run the pool, or one of its subcommands. Every flag has a RUNPOOL_* twin."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from dataclasses import fields
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from .db import connect, translate_error
+from .embedded import resolve_dsn
+from .errors import InvalidInput, RunpoolError
+from .logs import setup_logging
+from .settings import Settings
+
+__all__ = ["main"]
+
+COMMANDS = ("run", "migrate", "enqueue", "cancel", "retry", "status", "demo", "bench")
+
+# The SQL API, called exactly as an application would.
+CANCEL = "SELECT runpool.cancel_run(%s::uuid, %s, %s)"
+RETRY = "SELECT runpool.retry_run(%s::uuid)"
+
+_HELP = {
+    "dsn": "PostgreSQL DSN (else DATABASE_URL, else an embedded server)",
+    "app": "the handler registry to load, module:attribute",
+    "workers": "worker processes (default: CPU count)",
+    "concurrency": "run slots per worker process",
+    "lease_seconds": "lease length; heartbeats every third of it",
+    "poll_seconds": "fallback poll interval when no NOTIFY arrives",
+    "grace_seconds": "how long a draining worker lets in-flight runs finish",
+    "max_attempts": "default attempts per run (written to runpool.config)",
+    "retry_backoff_seconds": "base of the exponential retry backoff",
+    "tenant_quota": "default quota for tenants without one (written to runpool.config)",
+    "aging_seconds": "seconds of waiting worth one priority point (runpool.config)",
+    "cancel_grace_seconds": "how long a cancelled handler may clean up",
+    "max_input_bytes": "largest accepted run input (runpool.config)",
+    "listen": "use LISTEN/NOTIFY (0: poll only, for transaction-mode poolers)",
+    "data_dir": "embedded PostgreSQL data directory",
+}
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
+    for f in fields(Settings):
+        if only and f.name not in only:
+            continue
+        flag = "--" + f.name.replace("_", "-").removesuffix("-seconds")
+        kind: Any = str
+        type_name = str(f.type)
+        if type_name.startswith("int"):
+            kind = int
+        elif type_name.startswith("float"):
+            kind = float
+        elif type_name.startswith("bool"):
+            kind = _bool
+        parser.add_argument(
+            flag, dest=f.name, type=kind, default=None,
+            help=f"{_HELP.get(f.name, '')} [RUNPOOL_{f.name.upper()}]",
+        )
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in {"1", "true", "yes", "on"}:
+        return True
+    if value.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {f.name: getattr(args, f.name, None) for f in fields(Settings)}
+    return Settings.from_env(**overrides)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m runpool", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    db_only = ("dsn", "data_dir")
+
+    p = sub.add_parser("run", help="run the worker pool (the default command)")
+    _add_settings_flags(p)
+
+    p = sub.add_parser("migrate", help="apply pending migrations")
+    _add_settings_flags(p, db_only)
+    p.add_argument("--sql", action="store_true", help="print the pending SQL instead")
+
+    p = sub.add_parser("enqueue", help="enqueue one run; prints its id")
+    _add_settings_flags(p, db_only)
+    p.add_argument("tenant")
+    p.add_argument("handler")
+    p.add_argument("--input", default="{}", help="JSON input (default {})")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--idempotency-key")
+    p.add_argument("--run-at", type=datetime.fromisoformat, help="ISO 8601 time")
+    p.add_argument("--max-attempts", type=int)
+
+    p = sub.add_parser("cancel", help="cancel a run (runpool.cancel_run)")
+    _add_settings_flags(p, db_only)
+    p.add_argument("run_id")
+    p.add_argument("--reason")
+    p.add_argument("--tenant")
+
+    p = sub.add_parser("retry", help="put a failed or cancelled run back in the queue")
+    _add_settings_flags(p, db_only)
+    p.add_argument("run_id")
+
+    p = sub.add_parser("status", help="runs by status and tenant, live workers")
+    _add_settings_flags(p, db_only)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    p = sub.add_parser("demo", help="run the sample agent app on a pool and watch it")
+    _add_settings_flags(p, db_only)
+    p.add_argument("--runs", type=int, default=36)
+
+    p = sub.add_parser("bench", help="run benchmarks; one JSON line per workload")
+    _add_settings_flags(p, db_only)
+    p.add_argument("--workload", nargs="+", default=None, help="W1 W2 W3 W5 W6")
+    p.add_argument("--repeat", type=int, default=1, help="runs per workload (median reported)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in {"-h", "--help"}):
+        argv.insert(0, "run")
+    args = _parser().parse_args(argv)
+    setup_logging()
+    try:
+        code = _dispatch(args)
+    except InvalidInput as exc:
+        print(f"runpool: invalid input: {exc}", file=sys.stderr)
+        code = 2
+    except RunpoolError as exc:
+        print(f"runpool: {exc}", file=sys.stderr)
+        code = 1
+    sys.exit(code)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if args.command == "run":
+        return _run(settings)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(settings, runs=args.runs)
+    if args.command == "bench":
+        from .bench import run_bench
+
+        return run_bench(settings, args.workload, repeat=args.repeat)
+    dsn = resolve_dsn(settings, announce=False)
+    with connect(dsn, autocommit=True) as conn:
+        if args.command == "migrate":
+            return _migrate(conn, sql_only=args.sql)
+        if not settings.dsn:
+            # The embedded database belongs to runpool: keep it at the current schema.
+            from .migrate import migrate
+
+            migrate(conn)
+        try:
+            return _simple(conn, args)
+        except psycopg.Error as exc:
+            raise translate_error(exc) from exc
+
+
+def _run(settings: Settings) -> int:
+    from .supervisor import Supervisor, load_app
+
+    app = load_app(settings.app)
+    dsn = resolve_dsn(settings)
+    if not settings.dsn:
+        from .migrate import migrate
+
+        with connect(dsn, autocommit=True) as conn:
+            migrate(conn)
+    return Supervisor(settings, dsn, app).run()
+
+
+def _migrate(conn: psycopg.Connection[Any], *, sql_only: bool) -> int:
+    from .migrate import migrate, pending
+
+    if sql_only:
+        for m in pending(conn):
+            print(f"-- {m.version:04d}_{m.name}.sql\n{m.sql}")
+        return 0
+    applied = migrate(conn)
+    for m in applied:
+        print(f"applied {m.version:04d}_{m.name}")
+    if not applied:
+        print("schema is up to date")
+    return 0
+
+
+def _parse_run_id(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise InvalidInput(f"not a run id (a UUID): {text!r}") from None
+
+
+def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    if args.command == "enqueue":
+        from .enqueue import enqueue
+
+        try:
+            payload = json.loads(args.input)
+        except ValueError as exc:
+            raise InvalidInput(f"--input is not valid JSON: {exc}") from None
+        run_id = enqueue(conn, args.tenant, args.handler, payload, priority=args.priority,
+                         idempotency_key=args.idempotency_key, run_at=args.run_at,
+                         max_attempts=args.max_attempts)
+        print(run_id)
+        return 0
+    if args.command == "cancel":
+        row = conn.execute(CANCEL, (_parse_run_id(args.run_id), args.reason,
+                                    args.tenant)).fetchone()
+        return _answer(row, args.run_id)
+    if args.command == "retry":
+        row = conn.execute(RETRY, (_parse_run_id(args.run_id),)).fetchone()
+        return _answer(row, args.run_id)
+    if args.command == "status":
+        from .status import collect, render
+
+        report = collect(conn)
+        print(json.dumps(report) if args.json else render(report))
+        return 0
+    raise AssertionError(args.command)
+
+
+def _answer(row: tuple[Any, ...] | None, run_id: str) -> int:
+    if row is None or row[0] is None:
+        print(f"no such run: {run_id}", file=sys.stderr)
+        return 1
+    print(row[0])
+    return 0

@@ -1,0 +1,100 @@
+"""Connections: orjson wired into psycopg's JSON types, and the worker's connection pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.abc import AdaptContext
+from psycopg.types.json import set_json_dumps, set_json_loads
+from psycopg_pool import AsyncConnectionPool
+
+from .errors import InvalidInput
+
+__all__ = ["configure", "connect", "dumps", "loads", "open_pool", "translate_error"]
+
+# Keepalives let the kernel notice a half-open connection (a peer that vanished) in ~20 s
+# instead of the default two hours.
+KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 3,
+    "keepalives_count": 3,
+}
+
+
+def dumps(value: Any) -> bytes:
+    """Serialise a JSON value, refusing what PostgreSQL's jsonb cannot store."""
+    try:
+        data = orjson.dumps(value)
+    except TypeError as exc:
+        raise InvalidInput(f"not JSON-serialisable: {exc}") from None
+    # jsonb rejects \u0000; catching it here keeps the caller's transaction intact.
+    if b"\\u0000" in data:
+        raise InvalidInput("JSON text contains a NUL character (\\u0000), which jsonb rejects")
+    return data
+
+
+def loads(data: bytes | bytearray | memoryview | str) -> Any:
+    return orjson.loads(bytes(data) if isinstance(data, memoryview) else data)
+
+
+def configure(context: AdaptContext) -> None:
+    """The one place orjson is wired into psycopg (for a connection, or globally with None)."""
+    set_json_dumps(dumps, context)
+    set_json_loads(loads, context)
+
+
+def connect(dsn: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(dsn, autocommit=autocommit, **KEEPALIVES)
+    configure(conn)
+    return conn
+
+
+async def aconnect(dsn: str, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit, **KEEPALIVES)
+    configure(conn)
+    return conn
+
+
+async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
+    configure(conn)
+
+
+async def open_pool(dsn: str, *, size: int, name: str) -> AsyncConnectionPool:
+    """Open the worker's pool, with a health check so a connection killed by a server restart
+    or pg_terminate_backend is replaced instead of handed out."""
+    pool: AsyncConnectionPool = AsyncConnectionPool(
+        dsn,
+        min_size=size,
+        max_size=size,
+        name=name,
+        open=False,
+        kwargs=dict(KEEPALIVES),
+        configure=_configure_pooled,
+        check=AsyncConnectionPool.check_connection,
+        max_idle=300,
+        reconnect_timeout=3600,
+    )
+    await pool.open(wait=True, timeout=30)
+    return pool
+
+
+def translate_error(exc: psycopg.Error) -> Exception:
+    """Turn the database's refusal of bad input into InvalidInput; pass anything else through."""
+    if isinstance(
+        exc,
+        pg_errors.InvalidParameterValue
+        | pg_errors.ProgramLimitExceeded
+        | pg_errors.InvalidTextRepresentation
+        | pg_errors.UntranslatableCharacter
+        | pg_errors.CheckViolation
+        | pg_errors.StringDataRightTruncation,
+    ):
+        diag = exc.diag.message_primary or str(exc)
+        return InvalidInput(diag)
+    if isinstance(exc, psycopg.DataError) and "NUL" in str(exc):
+        return InvalidInput("text contains a NUL (0x00) character, which PostgreSQL rejects")
+    return exc

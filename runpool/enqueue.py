@@ -1,0 +1,165 @@
+"""Enqueue from Python, in the caller's transaction (commit is the caller's)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+import psycopg
+from psycopg import pq
+from psycopg.types.json import Jsonb
+
+from .db import dumps, translate_error
+
+__all__ = ["RunSpec", "enqueue", "enqueue_async", "enqueue_many"]
+
+# Enqueue one run through the SQL API (validation and idempotency live there).
+ENQUEUE: Final = """
+SELECT runpool.enqueue(%(tenant)s, %(handler)s, %(input)s, %(priority)s,
+                       %(idempotency_key)s, %(run_at)s, %(max_attempts)s, %(traceparent)s)
+"""
+# Enqueue many runs in one statement; ids come back in input order.
+ENQUEUE_MANY: Final = """
+SELECT runpool.enqueue(s.tenant, s.handler, s.input, s.priority, s.idempotency_key,
+                       s.run_at, s.max_attempts, s.traceparent)
+FROM unnest(%(tenant)s::text[], %(handler)s::text[], %(input)s::jsonb[], %(priority)s::int[],
+            %(idempotency_key)s::text[], %(run_at)s::timestamptz[], %(max_attempts)s::int[],
+            %(traceparent)s::text[])
+     WITH ORDINALITY AS s(tenant, handler, input, priority, idempotency_key, run_at,
+                          max_attempts, traceparent, n)
+ORDER BY s.n
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    tenant: str
+    handler: str
+    input: Any = field(default_factory=dict)
+    priority: int = 0
+    idempotency_key: str | None = None
+    run_at: datetime | None = None
+    max_attempts: int | None = None
+    traceparent: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        for name in ("tenant", "handler", "idempotency_key", "traceparent"):
+            value = getattr(self, name)
+            if isinstance(value, str) and "\x00" in value:
+                raise _nul(name)
+        # Serialised here so a value jsonb cannot hold fails before the database sees it.
+        payload = dumps(self.input)
+        return {
+            "tenant": self.tenant,
+            "handler": self.handler,
+            "input": Jsonb(payload, dumps=_passthrough),
+            "priority": self.priority,
+            "idempotency_key": self.idempotency_key,
+            "run_at": self.run_at,
+            "max_attempts": self.max_attempts,
+            "traceparent": self.traceparent,
+        }
+
+
+def _passthrough(data: Any) -> Any:
+    return data
+
+
+def _nul(name: str) -> Exception:
+    from .errors import InvalidInput
+
+    return InvalidInput(f"{name} contains a NUL (0x00) character")
+
+
+@contextmanager
+def _guard(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    # Inside the caller's open transaction a savepoint keeps it usable after a refusal.
+    in_tx = conn.info.transaction_status == pq.TransactionStatus.INTRANS
+    try:
+        if in_tx:
+            with conn.transaction():
+                yield
+        else:
+            yield
+    except psycopg.Error as exc:
+        raise translate_error(exc) from exc
+
+
+@asynccontextmanager
+async def _aguard(conn: psycopg.AsyncConnection[Any]) -> Any:
+    in_tx = conn.info.transaction_status == pq.TransactionStatus.INTRANS
+    try:
+        if in_tx:
+            async with conn.transaction():
+                yield
+        else:
+            yield
+    except psycopg.Error as exc:
+        raise translate_error(exc) from exc
+
+
+def enqueue(
+    conn: psycopg.Connection[Any],
+    tenant: str,
+    handler: str,
+    input: Any = None,
+    *,
+    priority: int = 0,
+    idempotency_key: str | None = None,
+    run_at: datetime | None = None,
+    max_attempts: int | None = None,
+    traceparent: str | None = None,
+) -> uuid.UUID:
+    """Enqueue a run on conn, joining its transaction; returns the run id (the existing one
+    for a repeated idempotency key)."""
+    spec = RunSpec(tenant, handler, {} if input is None else input, priority,
+                   idempotency_key, run_at, max_attempts, traceparent)
+    params = spec.params()
+    with _guard(conn):
+        row = conn.execute(ENQUEUE, params).fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+async def enqueue_async(
+    conn: psycopg.AsyncConnection[Any],
+    tenant: str,
+    handler: str,
+    input: Any = None,
+    *,
+    priority: int = 0,
+    idempotency_key: str | None = None,
+    run_at: datetime | None = None,
+    max_attempts: int | None = None,
+    traceparent: str | None = None,
+) -> uuid.UUID:
+    """The asyncio twin of enqueue()."""
+    spec = RunSpec(tenant, handler, {} if input is None else input, priority,
+                   idempotency_key, run_at, max_attempts, traceparent)
+    params = spec.params()
+    async with _aguard(conn):
+        cur = await conn.execute(ENQUEUE, params)
+        row = await cur.fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+def _many_params(specs: Iterable[RunSpec]) -> dict[str, list[Any]]:
+    columns: dict[str, list[Any]] = {}
+    for spec in specs:
+        for key, value in spec.params().items():
+            columns.setdefault(key, []).append(value)
+    return columns
+
+
+def enqueue_many(conn: psycopg.Connection[Any], specs: Iterable[RunSpec]) -> list[uuid.UUID]:
+    """Enqueue many runs in one statement (all or none); ids in the order given."""
+    params = _many_params(specs)
+    if not params:
+        return []
+    with _guard(conn):
+        return [row[0] for row in conn.execute(ENQUEUE_MANY, params)]

@@ -1,0 +1,96 @@
+"""Applies migrations/NNNN_name.sql in order, once, under an advisory lock."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, LiteralString, cast
+
+import psycopg
+
+from .errors import SchemaOutOfDate
+
+__all__ = ["Migration", "applied_versions", "check", "migrate", "migrations", "pending"]
+
+MIGRATIONS_DIR: Final = Path(__file__).resolve().parent.parent / "migrations"
+_NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
+
+# Serialises migrators across hosts: the second waits, then finds nothing left to do.
+LOCK_MIGRATIONS: Final = "SELECT pg_advisory_xact_lock(7370720115)"
+# Creates what migrations are recorded in.
+BOOTSTRAP: Final = """
+CREATE SCHEMA IF NOT EXISTS runpool;
+CREATE TABLE IF NOT EXISTS runpool.schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+# Versions already applied; NULL table means a database never migrated.
+APPLIED: Final = """
+SELECT version FROM runpool.schema_migrations
+WHERE to_regclass('runpool.schema_migrations') IS NOT NULL
+ORDER BY version
+"""
+HAS_TABLE: Final = "SELECT to_regclass('runpool.schema_migrations') IS NOT NULL"
+RECORD: Final = "INSERT INTO runpool.schema_migrations (version, name) VALUES (%s, %s)"
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def migrations(directory: Path = MIGRATIONS_DIR) -> list[Migration]:
+    found = []
+    for path in sorted(directory.glob("*.sql")):
+        match = _NAME.match(path.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], path.read_text()))
+    return found
+
+
+def applied_versions(conn: psycopg.Connection[Any]) -> set[int]:
+    row = conn.execute(HAS_TABLE).fetchone()
+    if not row or not row[0]:
+        return set()
+    return {v for (v,) in conn.execute(APPLIED)}
+
+
+def pending(conn: psycopg.Connection[Any]) -> list[Migration]:
+    done = applied_versions(conn)
+    return [m for m in migrations() if m.version not in done]
+
+
+def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
+    """Apply what is missing, all in one transaction; returns what was applied."""
+    with conn.transaction():
+        conn.execute(LOCK_MIGRATIONS)
+        conn.execute(BOOTSTRAP)
+        todo = pending(conn)
+        for m in todo:
+            # Migration files are static text shipped with the package, never user input.
+            conn.execute(cast(LiteralString, m.sql))
+            conn.execute(RECORD, (m.version, m.name))
+    return todo
+
+
+def check(conn: psycopg.Connection[Any]) -> None:
+    """Refuse to run on a schema this code does not match."""
+    known = {m.version for m in migrations()}
+    done = applied_versions(conn)
+    missing = sorted(known - done)
+    if missing:
+        raise SchemaOutOfDate(
+            f"the database schema is out of date (missing migrations {missing});"
+            " run `python -m runpool migrate` first"
+        )
+    newer = sorted(done - known)
+    if newer:
+        raise SchemaOutOfDate(
+            f"the database schema has migrations this runpool does not know ({newer});"
+            " upgrade runpool on this host"
+        )

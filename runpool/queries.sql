@@ -1,0 +1,239 @@
+-- name: reap_expired
+-- Return runs whose lease expired to the queue (keeping their rank), or end them: failed past
+-- max_attempts, cancelled if a cancel was requested. Rings the doorbell when work came back.
+WITH expired AS (
+    SELECT id
+    FROM runpool.runs
+    WHERE status = 'running'
+      AND lease_expires_at < now()
+    ORDER BY lease_expires_at
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+),
+reaped AS (
+    UPDATE runpool.runs r SET
+        status = CASE
+            WHEN r.cancel_requested_at IS NOT NULL THEN 'cancelled'
+            WHEN r.attempt - r.attempt_offset >= r.max_attempts THEN 'failed'
+            ELSE 'queued' END,
+        error = CASE
+            WHEN r.cancel_requested_at IS NULL AND r.attempt - r.attempt_offset >= r.max_attempts
+            THEN jsonb_build_object('reason', 'lease_expired',
+                                    'message', 'lease expired on the last allowed attempt')
+            ELSE r.error END,
+        finished_at = CASE
+            WHEN r.cancel_requested_at IS NOT NULL
+              OR r.attempt - r.attempt_offset >= r.max_attempts THEN now() END,
+        lease_expires_at = NULL,
+        available_at = now()
+    FROM expired
+    WHERE r.id = expired.id
+    RETURNING r.id, r.attempt, r.status, r.worker_id
+),
+events AS (
+    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
+    SELECT id, CASE status WHEN 'queued' THEN 'reclaimed' ELSE status END, attempt, worker_id,
+           '{"reason": "lease_expired"}'::jsonb
+    FROM reaped
+)
+SELECT count(*) AS reaped,
+       CASE WHEN bool_or(status = 'queued') THEN pg_notify('runpool_wakeup', '') END AS rang
+FROM reaped;
+
+-- name: lock_tenants
+-- Lock, in tenant order (so claimers never deadlock), the tenants that have waiting runs and
+-- look under quota. The count here may be stale; claim_runs recounts under the lock.
+WITH RECURSIVE waiting AS (
+    -- A loose index scan: one probe per tenant with queued runs, however deep each queue is.
+    (SELECT tenant FROM runpool.runs WHERE status = 'queued' ORDER BY tenant LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.tenant FROM runpool.runs r
+            WHERE r.status = 'queued' AND r.tenant > w.tenant
+            ORDER BY r.tenant LIMIT 1)
+    FROM waiting w
+    WHERE w.tenant IS NOT NULL
+)
+SELECT t.tenant
+FROM runpool.tenants t
+JOIN waiting w ON w.tenant = t.tenant
+CROSS JOIN runpool.config c
+WHERE coalesce(t.max_running, c.default_quota) IS NULL
+   OR coalesce(t.max_running, c.default_quota) > (
+        SELECT count(*) FROM runpool.runs l
+        WHERE l.tenant = t.tenant AND l.status = 'running' AND l.lease_expires_at > now())
+ORDER BY t.tenant
+FOR NO KEY UPDATE OF t;
+
+-- name: claim_runs
+-- Claim up to %(limit)s runs of the tenants locked by lock_tenants, best rank first, within
+-- each tenant's free quota. Takes a lease in database time and increments the fencing token.
+WITH capacity AS (
+    -- Recounted under the tenant locks, in this statement's fresh snapshot: no other claimer
+    -- can add a live lease for these tenants until we commit, so the quota is exact.
+    SELECT t.tenant,
+           coalesce(t.max_running, c.default_quota) - (
+               SELECT count(*) FROM runpool.runs l
+               WHERE l.tenant = t.tenant AND l.status = 'running'
+                 AND l.lease_expires_at > now()) AS free
+    FROM runpool.tenants t
+    CROSS JOIN runpool.config c
+    WHERE t.tenant = ANY(%(tenants)s::text[])
+),
+candidates AS (
+    -- Only the head of each tenant's queue is read: cost does not grow with queue depth.
+    SELECT head.id
+    FROM capacity cap
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.rank
+        FROM runpool.runs r
+        WHERE r.tenant = cap.tenant
+          AND r.status = 'queued'
+          AND r.available_at <= now()
+        ORDER BY r.rank
+        LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)
+    ) head
+    ORDER BY head.rank
+    LIMIT %(limit)s
+),
+locked AS (
+    -- A run being cancelled right now is skipped, not waited for.
+    SELECT r.id
+    FROM runpool.runs r
+    WHERE r.id IN (SELECT id FROM candidates)
+      AND r.status = 'queued'
+    FOR UPDATE OF r SKIP LOCKED
+),
+claimed AS (
+    UPDATE runpool.runs r SET
+        status = 'running',
+        attempt = r.attempt + 1,
+        worker_id = %(worker_id)s,
+        lease_expires_at = now() + %(lease_seconds)s * interval '1 second',
+        started_at = now()
+    FROM locked
+    WHERE r.id = locked.id
+    RETURNING r.id, r.tenant, r.handler, r.attempt, r.attempt_offset, r.max_attempts,
+              r.input, r.traceparent, r.created_at
+),
+events AS (
+    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id)
+    SELECT id, 'claimed', attempt, %(worker_id)s FROM claimed
+)
+SELECT id, tenant, handler, attempt, attempt_offset, max_attempts, input, traceparent, created_at
+FROM claimed;
+
+-- name: heartbeat
+-- Renew the leases this worker still holds (fenced by attempt) and mark the worker alive;
+-- returns the runs still held and whether each has a cancel request.
+WITH held AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
+),
+renewed AS (
+    UPDATE runpool.runs r SET
+        lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
+    FROM held
+    WHERE r.id = held.id
+      AND r.attempt = held.attempt
+      AND r.status = 'running'
+    RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested
+),
+alive AS (
+    UPDATE runpool.workers SET last_seen_at = now() WHERE id = %(worker_id)s
+)
+SELECT id, cancel_requested FROM renewed;
+
+-- name: finish_runs
+-- Record finished attempts in one statement, each fenced by its attempt: succeeded, failed,
+-- cancelled, or retry (queued again after its backoff, or failed when the budget is spent).
+WITH outcome AS (
+    SELECT *
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[], %(outcomes)s::text[],
+                %(results)s::jsonb[], %(errors)s::jsonb[], %(delays)s::double precision[])
+         AS o(id, attempt, outcome, result, error, delay)
+),
+decided AS (
+    SELECT o.*, r.priority,
+           CASE
+               WHEN o.outcome <> 'retry' THEN o.outcome
+               -- A cancel requested while the attempt failed ends the run; it does not retry.
+               WHEN r.cancel_requested_at IS NOT NULL THEN 'cancelled'
+               WHEN r.attempt - r.attempt_offset >= r.max_attempts THEN 'failed'
+               ELSE 'queued'
+           END AS status
+    FROM outcome o
+    JOIN runpool.runs r ON r.id = o.id AND r.attempt = o.attempt AND r.status = 'running'
+),
+done AS (
+    UPDATE runpool.runs r SET
+        status = d.status,
+        result = d.result,
+        error = d.error,
+        lease_expires_at = NULL,
+        finished_at = CASE WHEN d.status = 'queued' THEN NULL ELSE now() END,
+        available_at = CASE WHEN d.status = 'queued'
+                            THEN now() + d.delay * interval '1 second' ELSE r.available_at END,
+        -- A retry is a new arrival: it ages from the end of its backoff.
+        rank = CASE WHEN d.status = 'queued'
+                    THEN extract(epoch FROM now()) + d.delay - d.priority * c.aging_seconds
+                    ELSE r.rank END
+    FROM decided d, runpool.config c
+    WHERE r.id = d.id AND r.attempt = d.attempt AND r.status = 'running'
+    RETURNING r.id, r.attempt, r.status, r.worker_id, r.error
+),
+events AS (
+    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
+    SELECT id, CASE status WHEN 'queued' THEN 'retry_scheduled' ELSE status END,
+           attempt, worker_id, error
+    FROM done
+)
+SELECT id, status FROM done;
+
+-- name: release_runs
+-- Give leases back at once (a draining worker): the runs are claimable immediately and the
+-- released attempt does not count against max_attempts.
+WITH held AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
+),
+released AS (
+    UPDATE runpool.runs r SET
+        status = CASE WHEN r.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'queued' END,
+        finished_at = CASE WHEN r.cancel_requested_at IS NOT NULL THEN now() END,
+        attempt_offset = r.attempt_offset + 1,
+        lease_expires_at = NULL,
+        available_at = now()
+    FROM held
+    WHERE r.id = held.id AND r.attempt = held.attempt AND r.status = 'running'
+    RETURNING r.id, r.attempt, r.status
+),
+events AS (
+    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
+    SELECT id, CASE status WHEN 'queued' THEN 'released' ELSE status END, attempt,
+           %(worker_id)s, '{"reason": "worker_shutdown"}'::jsonb
+    FROM released
+)
+SELECT count(*) AS released, pg_notify('runpool_wakeup', '') AS rang FROM released;
+
+-- name: register_worker
+-- Announce a worker process; also applies the pool settings its operator set explicitly.
+INSERT INTO runpool.workers (id, host, pid, concurrency)
+VALUES (%(worker_id)s, %(host)s, %(pid)s, %(concurrency)s);
+
+-- name: update_config
+-- Apply pool-wide settings given explicitly to this pool (NULL leaves a value unchanged).
+UPDATE runpool.config SET
+    aging_seconds = coalesce(%(aging_seconds)s, aging_seconds),
+    default_max_attempts = coalesce(%(max_attempts)s, default_max_attempts),
+    default_quota = CASE WHEN %(set_quota)s THEN %(default_quota)s ELSE default_quota END,
+    max_input_bytes = coalesce(%(max_input_bytes)s, max_input_bytes);
+
+-- name: stop_worker
+-- Mark a worker as stopped on a clean exit.
+UPDATE runpool.workers SET stopped_at = now(), last_seen_at = now() WHERE id = %(worker_id)s;
+
+-- name: read_cancel_flags
+-- Which of these runs, still held at this attempt, have a cancel request (re-read on NOTIFY).
+SELECT r.id
+FROM runpool.runs r
+JOIN unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
+  ON r.id = h.id AND r.attempt = h.attempt
+WHERE r.status = 'running' AND r.cancel_requested_at IS NOT NULL;

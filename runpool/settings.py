@@ -1,0 +1,100 @@
+"""All tunables of a pool in one frozen dataclass, read from flags and RUNPOOL_* variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import InvalidInput
+
+__all__ = ["Settings"]
+
+
+def _env_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise InvalidInput(f"not a boolean: {value!r} (use 1/0, true/false, on/off)")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Pool settings. Every field has an environment twin RUNPOOL_<FIELD>."""
+
+    # None: DATABASE_URL, else an embedded PostgreSQL in data_dir.
+    dsn: str | None = None
+    app: str | None = None
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    concurrency: int = 10
+    lease_seconds: float = 30.0
+    poll_seconds: float = 5.0
+    grace_seconds: float = 30.0
+    max_attempts: int | None = None
+    retry_backoff_seconds: float = 1.0
+    # None: tenants without their own quota are unlimited (written to runpool.config).
+    tenant_quota: int | None = None
+    aging_seconds: float | None = None
+    cancel_grace_seconds: float = 10.0
+    max_input_bytes: int | None = None
+    listen: bool = True
+    data_dir: str = ".runpool/pgdata"
+
+    def __post_init__(self) -> None:
+        positive = ("lease_seconds", "poll_seconds", "retry_backoff_seconds")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise InvalidInput(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("grace_seconds", "cancel_grace_seconds"):
+            if getattr(self, name) < 0:
+                raise InvalidInput(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.workers <= 256:
+            raise InvalidInput(f"workers must be between 1 and 256, got {self.workers}")
+        if not 1 <= self.concurrency <= 10_000:
+            raise InvalidInput(f"concurrency must be between 1 and 10000, got {self.concurrency}")
+        if self.max_attempts is not None and not 1 <= self.max_attempts <= 1000:
+            raise InvalidInput(f"max_attempts must be between 1 and 1000, got {self.max_attempts}")
+        if self.tenant_quota is not None and not 0 <= self.tenant_quota <= 1_000_000:
+            raise InvalidInput(
+                f"tenant_quota must be between 0 and 1000000, got {self.tenant_quota}"
+            )
+        if self.aging_seconds is not None and not self.aging_seconds > 0:
+            raise InvalidInput(f"aging_seconds must be > 0, got {self.aging_seconds}")
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """Leases are renewed three times per lease period, so one lost beat costs nothing."""
+        return self.lease_seconds / 3
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> Settings:
+        """Build settings from RUNPOOL_* variables; non-None overrides (flags) win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"RUNPOOL_{f.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse(f.name, raw, str(f.type))
+        if "dsn" not in values and env.get("DATABASE_URL"):
+            values["dsn"] = env["DATABASE_URL"]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(name: str, raw: str, type_name: str) -> Any:
+    try:
+        if type_name.startswith("bool"):
+            return _env_bool(raw)
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise InvalidInput(f"RUNPOOL_{name.upper()}: not a valid {type_name}: {raw!r}") from None
+    return raw

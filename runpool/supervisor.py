@@ -1,0 +1,203 @@
+"""The supervisor: forks worker processes, restarts crashed ones with backoff, and drains.
+
+Signals: the first SIGTERM/SIGINT drains (workers stop claiming, get --grace seconds, then
+release their leases); a second one stops at once. Workers ignore SIGINT, since a terminal's
+Ctrl-C reaches the whole process group and only the supervisor's relay should count. The
+supervisor opens no database connection and starts no thread before it forks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+from .app import App
+from .errors import RunpoolError, SchemaOutOfDate
+from .settings import Settings
+
+__all__ = ["EXIT_CONFIG", "Supervisor", "load_app", "run_worker_process"]
+
+logger = logging.getLogger("runpool.supervisor")
+
+# A worker exiting with this code cannot work on this database as configured (schema out of
+# date, app not importable): restarting it would only spin, so the supervisor stops.
+EXIT_CONFIG = 78
+
+
+def load_app(path: str | None) -> App:
+    if not path:
+        raise RunpoolError("no app given: pass --app module:attribute (or set RUNPOOL_APP)")
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RunpoolError(f"cannot import app module {module_name!r}: {exc}") from exc
+    app = getattr(module, attr or "app", None)
+    if not isinstance(app, App):
+        raise RunpoolError(f"{path!r} is not a runpool.App")
+    return app
+
+
+def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> int:
+    """The body of one worker process; returns its exit code."""
+    from .db import connect
+    from .migrate import check
+    try:
+        with connect(dsn, autocommit=True) as conn:
+            check(conn)
+    except SchemaOutOfDate as exc:
+        logger.error("%s", exc, extra={"action": "schema_out_of_date"})
+        return EXIT_CONFIG
+    asyncio.run(_worker_async(settings, dsn, app, parent_fd))
+    return 0
+
+
+async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> None:
+    loop = asyncio.get_running_loop()
+    stop, abort = asyncio.Event(), asyncio.Event()
+
+    def on_term() -> None:
+        if stop.is_set():
+            abort.set()
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    if parent_fd is not None:
+        # The write end lives only in the supervisor: EOF here means it died.
+        def on_parent_gone() -> None:
+            loop.remove_reader(parent_fd)
+            logger.warning("supervisor is gone; stopping", extra={"action": "orphaned"})
+            stop.set()
+            abort.set()
+
+        loop.add_reader(parent_fd, on_parent_gone)
+    from .worker import Worker
+
+    await Worker(settings, app, dsn).run(stop, abort)
+
+
+@dataclass(slots=True)
+class _Child:
+    index: int
+    pid: int
+    started: float
+    crashes: int = 0
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, dsn: str, app: App) -> None:
+        self.settings = settings
+        self.dsn = dsn
+        self.app = app
+        self._signals = 0
+        self._children: dict[int, _Child] = {}
+        self._restart_at: dict[int, tuple[float, int]] = {}
+        self._read_fd, self._write_fd = os.pipe()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals += 1
+
+    def _spawn(self, index: int, crashes: int = 0) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(self._write_fd)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                code = run_worker_process(self.settings, self.dsn, self.app, self._read_fd)
+            except BaseException:
+                logger.exception("worker crashed", extra={"action": "worker_crashed"})
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        self._children[pid] = _Child(index, pid, time.monotonic(), crashes)
+        logger.info("started worker %d (pid %d)", index, pid, extra={"action": "worker_spawned"})
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        for index in range(self.settings.workers):
+            self._spawn(index)
+        seen = 0
+        stop_deadline: float | None = None
+        exit_code = 0
+        while self._children or (self._restart_at and not self._signals):
+            if self._signals != seen:
+                seen = self._signals
+                self._relay(signal.SIGTERM)
+                if stop_deadline is None:
+                    stop_deadline = time.monotonic() + self.settings.grace_seconds + 15
+                    logger.info("draining", extra={"action": "drain"})
+                else:
+                    stop_deadline = min(stop_deadline, time.monotonic() + 5)
+                    logger.info("stopping now", extra={"action": "stop_now"})
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                self._relay(signal.SIGKILL)
+            code = self._reap_children(restart=stop_deadline is None)
+            if code is not None:
+                exit_code = code
+                if code == EXIT_CONFIG and stop_deadline is None:
+                    self._signals += 1
+            self._restart_due()
+            time.sleep(0.05)
+        os.close(self._write_fd)
+        return exit_code
+
+    def _relay(self, signum: int) -> None:
+        for pid in list(self._children):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _reap_children(self, *, restart: bool) -> int | None:
+        worst: int | None = None
+        while self._children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self._children.clear()
+                break
+            if pid == 0:
+                break
+            child = self._children.pop(pid, None)
+            if child is None:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            if code == EXIT_CONFIG:
+                logger.error("worker %d cannot run here (exit %d); stopping", child.index, code,
+                             extra={"action": "worker_config_error"})
+                worst = EXIT_CONFIG
+                continue
+            if restart:
+                lived = time.monotonic() - child.started
+                # A worker that ran a while was not crash-looping: its backoff starts over.
+                crashes = 0 if lived > 60 else child.crashes + 1
+                delay = min(0.5 * 2 ** (crashes - 1), 30.0) if crashes else 0.5
+                logger.warning(
+                    "worker %d (pid %d) exited with %d after %.1fs; restarting in %.1fs",
+                    child.index, pid, code, lived, delay, extra={"action": "worker_exited"},
+                )
+                self._restart_at[child.index] = (time.monotonic() + delay, crashes)
+        return worst
+
+    def _restart_due(self) -> None:
+        if self._signals:
+            self._restart_at.clear()
+            return
+        now = time.monotonic()
+        for index, (at, crashes) in list(self._restart_at.items()):
+            if at <= now:
+                del self._restart_at[index]
+                self._spawn(index, crashes)

@@ -1,0 +1,402 @@
+"""One worker process: an asyncio loop with `concurrency` run slots, fed by claims.
+
+It wakes on a doorbell NOTIFY, when a slot frees, and on a jittered poll timer (the fallback
+for lost notifications); it holds every run under a lease it renews in one statement per beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from .app import App, Run
+from .claiming import ClaimedRun, claim
+from .db import dumps, open_pool
+from .errors import Fail, InvalidInput
+from .listener import Listener
+from .outcomes import Outcome, OutcomeWriter
+from .queries import QUERIES
+from .settings import Settings
+
+__all__ = ["Worker"]
+
+logger = logging.getLogger("runpool.worker")
+
+
+@dataclass(slots=True)
+class _Slot:
+    """A run in progress. Written by the worker loop, heartbeat and cancel paths, all on the
+    worker's one event loop, so no locking is needed."""
+
+    claimed: ClaimedRun
+    run: Run
+    # Monotonic time after which the lease may have expired in the database.
+    deadline: float
+    task: asyncio.Task[None] | None = None
+    # Why the worker cancelled the task: lease_lost, cancelled or shutdown.
+    stop_reason: str | None = None
+    # The outcome is being written; the heartbeat must not mistake it for a lost lease.
+    finishing: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def _error(reason: str, message: str, **more: Any) -> bytes:
+    """An error document that is always storable, whatever the exception text holds."""
+    def clean(text: str) -> str:
+        return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")[:4000]
+
+    doc = {"reason": reason, "message": clean(message)}
+    doc.update({k: clean(str(v)) for k, v in more.items()})
+    return dumps(doc)
+
+
+class Worker:
+    def __init__(self, settings: Settings, app: App, dsn: str) -> None:
+        self.id = uuid.uuid4()
+        self.settings = settings
+        self.app = app
+        self.dsn = dsn
+        self.slots: dict[uuid.UUID, _Slot] = {}
+        # Set by the listener, a freed slot and stop requests; the loop re-checks everything.
+        self._attention = asyncio.Event()
+        self._pool: AsyncConnectionPool | None = None
+        self._outcomes: OutcomeWriter | None = None
+        self._last_touch = 0.0
+        self.listener: Listener | None = None
+        self._log = {"worker_id": str(self.id)}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, abort: asyncio.Event) -> None:
+        """Work until `stop` (drain: finish or release in-flight runs) or `abort` (release now)."""
+        s = self.settings
+        self._pool = await open_pool(self.dsn, size=4, name=f"runpool-{os.getpid()}")
+        side: list[asyncio.Task[None]] = []
+        try:
+            await self._register()
+            self._outcomes = OutcomeWriter(self._pool, worker_id=self.id)
+            side.append(asyncio.create_task(self._outcomes.run(), name="outcomes"))
+            side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+            if s.listen:
+                self.listener = Listener(
+                    self.dsn, self._attention, self._on_cancel_notice, worker_id=self.id
+                )
+                side.append(asyncio.create_task(self.listener.run(), name="listener"))
+            logger.info(
+                "worker started: concurrency %d, handlers %s", s.concurrency, self.app.names,
+                extra={"action": "worker_started", **self._log},
+            )
+            stopper = asyncio.create_task(self._relay(stop, abort))
+            try:
+                await self._loop(stop)
+            finally:
+                stopper.cancel()
+            await self._drain(abort)
+        finally:
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            await self._unregister()
+            await self._pool.close()
+            logger.info("worker stopped", extra={"action": "worker_stopped", **self._log})
+
+    async def _relay(self, stop: asyncio.Event, abort: asyncio.Event) -> None:
+        await stop.wait()
+        self._attention.set()
+
+    async def _register(self) -> None:
+        s = self.settings
+        assert self._pool is not None
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                QUERIES["register_worker"],
+                {"worker_id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
+                 "concurrency": s.concurrency},
+            )
+            await conn.execute(
+                QUERIES["update_config"],
+                {"aging_seconds": s.aging_seconds, "max_attempts": s.max_attempts,
+                 "set_quota": s.tenant_quota is not None, "default_quota": s.tenant_quota,
+                 "max_input_bytes": s.max_input_bytes},
+            )
+        self._last_touch = time.monotonic()
+
+    async def _unregister(self) -> None:
+        assert self._pool is not None
+        try:
+            async with self._pool.connection(timeout=5) as conn:
+                await conn.execute(QUERIES["stop_worker"], {"worker_id": self.id})
+        except Exception as exc:  # best effort: the row only informs `status`
+            logger.warning("could not mark worker stopped: %s", exc,
+                           extra={"action": "worker_unregister_failed", **self._log})
+
+    # -- claiming ----------------------------------------------------------------------------
+
+    def _poll_delay(self) -> float:
+        # Jitter spreads the polls of many workers so they do not arrive together.
+        return self.settings.poll_seconds * random.uniform(0.8, 1.2)
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        next_poll = time.monotonic() + self._poll_delay()
+        backoff = 0.1
+        while not stop.is_set():
+            free = self.settings.concurrency - len(self.slots)
+            self._attention.clear()
+            if free > 0:
+                try:
+                    claimed = await self._claim(free)
+                    backoff = 0.1
+                except psycopg.OperationalError as exc:
+                    logger.warning("claim failed: %s", exc,
+                                   extra={"action": "claim_failed", **self._log})
+                    claimed = []
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.settings.poll_seconds)
+                    continue
+                next_poll = time.monotonic() + self._poll_delay()
+                for c in claimed:
+                    self._start(c)
+                if len(claimed) == free:
+                    continue
+            timeout = max(next_poll - time.monotonic(), 0)
+            try:
+                await asyncio.wait_for(self._attention.wait(), timeout)
+            except TimeoutError:
+                next_poll = time.monotonic() + self._poll_delay()
+
+    async def _claim(self, limit: int) -> list[ClaimedRun]:
+        assert self._pool is not None
+        sent = time.monotonic()
+        async with self._pool.connection() as conn:
+            claimed = await claim(
+                conn, worker_id=self.id, limit=limit, lease_seconds=self.settings.lease_seconds
+            )
+            if sent - self._last_touch > self.settings.heartbeat_seconds:
+                # Idle workers only show they are alive through their polls.
+                await conn.execute(QUERIES["heartbeat"], {
+                    "ids": [], "attempts": [], "lease_seconds": self.settings.lease_seconds,
+                    "worker_id": self.id})
+                self._last_touch = sent
+        return claimed
+
+    def _start(self, c: ClaimedRun) -> None:
+        run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=c.input)
+        slot = _Slot(c, run, deadline=time.monotonic() + self.settings.lease_seconds,
+                     extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
+        self.slots[c.id] = slot
+        slot.task = asyncio.create_task(self._execute(slot), name=f"run-{c.id}")
+
+    # -- executing ---------------------------------------------------------------------------
+
+    async def _execute(self, slot: _Slot) -> None:
+        try:
+            outcome = await self._call(slot)
+            if outcome is not None:
+                slot.finishing = True
+                assert self._outcomes is not None
+                status = await self._outcomes.submit(outcome)
+                if status == "queued":
+                    # Our own retry is due after its backoff: look again then, not at the poll.
+                    asyncio.get_running_loop().call_later(
+                        outcome.retry_delay, self._attention.set)
+                logger.info(
+                    "run %s attempt %d: %s", slot.claimed.id, slot.claimed.attempt,
+                    status or "fenced (lease lost)",
+                    extra={"action": "run_finished" if status else "outcome_fenced",
+                           **slot.extra},
+                )
+        finally:
+            if self.slots.get(slot.claimed.id) is slot:
+                del self.slots[slot.claimed.id]
+            self._attention.set()
+
+    async def _call(self, slot: _Slot) -> Outcome | None:
+        c, run = slot.claimed, slot.run
+        handler = self.app.get(c.handler)
+        if handler is None:
+            return Outcome(c.id, c.attempt, "failed", error=_error(
+                "unknown_handler",
+                f"no handler named {c.handler!r} is registered on this worker"
+                f" (known: {', '.join(self.app.names) or 'none'})"))
+        try:
+            if handler.is_async:
+                result = await handler.fn(run)  # type: ignore[misc]
+            else:
+                result = await asyncio.to_thread(handler.fn, run)
+        except asyncio.CancelledError:
+            if slot.stop_reason == "cancelled":
+                return self._cancelled_outcome(slot)
+            # lease_lost: another attempt may own the run now; shutdown: released by _drain.
+            if slot.stop_reason is None:
+                raise
+            return None
+        except Fail as exc:
+            return Outcome(c.id, c.attempt, "failed", error=_error("failed", exc.reason))
+        except Exception as exc:
+            if handler.no_retry and isinstance(exc, handler.no_retry):
+                return Outcome(c.id, c.attempt, "failed",
+                               error=_error("non_retryable", str(exc), type=type(exc).__name__))
+            delay = self.settings.retry_backoff_seconds * 2 ** max(
+                c.attempt - c.attempt_offset - 1, 0) * random.uniform(0.75, 1.25)
+            logger.warning("run %s raised %s", c.id, type(exc).__name__,
+                           extra={"action": "run_raised", **slot.extra})
+            return Outcome(c.id, c.attempt, "retry", retry_delay=min(delay, 3600.0),
+                           error=_error("exception", str(exc), type=type(exc).__name__,
+                                        traceback="".join(traceback.format_exception(exc)[-5:])))
+        if run.cancelled:
+            return self._cancelled_outcome(slot)
+        try:
+            data = dumps(result)
+        except InvalidInput as exc:
+            return Outcome(c.id, c.attempt, "failed", error=_error(
+                "result_not_serializable", f"the handler's result cannot be stored: {exc}"))
+        return Outcome(c.id, c.attempt, "succeeded", result=data)
+
+    def _cancelled_outcome(self, slot: _Slot) -> Outcome:
+        return Outcome(slot.claimed.id, slot.claimed.attempt, "cancelled",
+                       error=_error("cancelled", "cancelled on request"))
+
+    # -- leases ------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.heartbeat_seconds
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._beat()
+                interval = self.settings.heartbeat_seconds
+            except psycopg.OperationalError as exc:
+                logger.warning("heartbeat failed: %s", exc,
+                               extra={"action": "heartbeat_failed", **self._log})
+                # Retry sooner, so a short outage costs no lease.
+                interval = min(1.0, self.settings.heartbeat_seconds)
+            self._abandon_expired()
+
+    async def _beat(self) -> None:
+        assert self._pool is not None
+        slots = [s for s in self.slots.values() if s.stop_reason is None]
+        sent = time.monotonic()
+        async with self._pool.connection(timeout=self.settings.heartbeat_seconds) as conn:
+            cur = await conn.execute(QUERIES["heartbeat"], {
+                "ids": [s.claimed.id for s in slots],
+                "attempts": [s.claimed.attempt for s in slots],
+                "lease_seconds": self.settings.lease_seconds,
+                "worker_id": self.id,
+            })
+            held = {run_id: cancel for run_id, cancel in await cur.fetchall()}
+        self._last_touch = sent
+        for slot in slots:
+            if slot.claimed.id in held:
+                slot.deadline = sent + self.settings.lease_seconds
+                if held[slot.claimed.id]:
+                    self._cancel(slot)
+            elif not slot.finishing and self.slots.get(slot.claimed.id) is slot:
+                self._abandon(slot, "the database no longer shows this attempt's lease")
+
+    def _abandon_expired(self) -> None:
+        now = time.monotonic()
+        for slot in list(self.slots.values()):
+            if slot.deadline < now and slot.stop_reason is None and not slot.finishing:
+                self._abandon(slot, "the lease could not be renewed before it expired")
+
+    def _abandon(self, slot: _Slot, why: str) -> None:
+        """Stop a run whose lease is (or may be) lost: every later write of it is fenced."""
+        slot.stop_reason = "lease_lost"
+        logger.warning("lease lost for run %s: %s", slot.claimed.id, why,
+                       extra={"action": "lease_lost", **slot.extra})
+        assert slot.task is not None
+        slot.task.cancel()
+
+    # -- cancellation ------------------------------------------------------------------------
+
+    def _on_cancel_notice(self, run_id: uuid.UUID) -> None:
+        if run_id in self.slots:
+            asyncio.get_running_loop().create_task(self._confirm_cancel(run_id))
+
+    async def _confirm_cancel(self, run_id: uuid.UUID) -> None:
+        slot = self.slots.get(run_id)
+        if slot is None or self._pool is None:
+            return
+        # A NOTIFY proves nothing: the flag in the database decides.
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(QUERIES["read_cancel_flags"], {
+                "ids": [slot.claimed.id], "attempts": [slot.claimed.attempt]})
+            flagged = await cur.fetchall()
+        if flagged and self.slots.get(run_id) is slot:
+            self._cancel(slot)
+
+    def _cancel(self, slot: _Slot) -> None:
+        if slot.stop_reason is not None or slot.finishing:
+            return
+        slot.stop_reason = "cancelled"
+        slot.run._mark_cancelled()
+        logger.info("cancelling run %s", slot.claimed.id,
+                    extra={"action": "run_cancelling", **slot.extra})
+        assert slot.task is not None
+        slot.task.cancel()
+        asyncio.get_running_loop().call_later(
+            self.settings.cancel_grace_seconds,
+            lambda: asyncio.ensure_future(self._force_cancelled(slot)))
+
+    async def _force_cancelled(self, slot: _Slot) -> None:
+        """The handler ignored cancellation past its grace: record it cancelled and free the
+        slot; whatever the handler does later is fenced."""
+        if self.slots.get(slot.claimed.id) is not slot or slot.finishing:
+            return
+        slot.finishing = True
+        assert self._outcomes is not None
+        await self._outcomes.submit(self._cancelled_outcome(slot))
+        del self.slots[slot.claimed.id]
+        self._attention.set()
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    async def _drain(self, abort: asyncio.Event) -> None:
+        tasks = {s.task for s in self.slots.values() if s.task is not None}
+        if tasks and not abort.is_set():
+            logger.info("draining %d runs for up to %.1fs", len(tasks),
+                        self.settings.grace_seconds, extra={"action": "drain", **self._log})
+            deadline = time.monotonic() + self.settings.grace_seconds
+            aborted = asyncio.ensure_future(abort.wait())
+            while tasks and not abort.is_set() and (left := deadline - time.monotonic()) > 0:
+                done, _ = await asyncio.wait(
+                    [*tasks, aborted], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                tasks -= done
+            aborted.cancel()
+        unfinished = [s for s in self.slots.values() if not s.finishing]
+        for slot in unfinished:
+            if slot.stop_reason is None:
+                slot.stop_reason = "shutdown"
+                assert slot.task is not None
+                slot.task.cancel()
+        pending = [s.task for s in self.slots.values() if s.task is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+        await self._release([s for s in unfinished if s.stop_reason == "shutdown"])
+
+    async def _release(self, slots: list[_Slot]) -> None:
+        if not slots or self._pool is None:
+            return
+        try:
+            async with self._pool.connection(timeout=5) as conn:
+                await conn.execute(QUERIES["release_runs"], {
+                    "ids": [s.claimed.id for s in slots],
+                    "attempts": [s.claimed.attempt for s in slots],
+                    "worker_id": self.id,
+                })
+            logger.info("released %d runs", len(slots),
+                        extra={"action": "runs_released", **self._log})
+        except Exception as exc:
+            logger.warning("could not release %d runs (their leases will expire): %s",
+                           len(slots), exc, extra={"action": "release_failed", **self._log})
