@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import re
+
 import orjson
 import psycopg
 from psycopg import errors as pg_errors
@@ -25,6 +27,11 @@ KEEPALIVES: dict[str, Any] = {
 }
 
 
+# A NUL escape in JSON text: \u0000 preceded by an even number of backslashes (an odd number
+# would make it the escaped text "\\u0000", which is fine).
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
 def dumps(value: Any) -> bytes:
     """Serialise a JSON value, refusing what PostgreSQL's jsonb cannot store."""
     try:
@@ -32,7 +39,7 @@ def dumps(value: Any) -> bytes:
     except TypeError as exc:
         raise InvalidInput(f"not JSON-serialisable: {exc}") from None
     # jsonb rejects \u0000; catching it here keeps the caller's transaction intact.
-    if b"\\u0000" in data:
+    if b"\\u0000" in data and _NUL_ESCAPE.search(data):
         raise InvalidInput("JSON text contains a NUL character (\\u0000), which jsonb rejects")
     return data
 

@@ -1,7 +1,8 @@
 """The supervisor: forks worker processes, restarts crashed ones with backoff, and drains.
 
 Signals: the first SIGTERM/SIGINT drains (workers stop claiming, get --grace seconds, then
-release their leases); a second one stops at once. Workers ignore SIGINT, since a terminal's
+release their leases); a second one stops at once (relayed to workers as SIGUSR1). A worker
+also takes SIGTERM directly: the first drains, the second stops it at once. Workers ignore SIGINT, since a terminal's
 Ctrl-C reaches the whole process group and only the supervisor's relay should count. The
 supervisor opens no database connection and starts no thread before it forks.
 """
@@ -69,6 +70,7 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
         stop.set()
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: (stop.set(), abort.set()))
     if parent_fd is not None:
         # The write end lives only in the supervisor: EOF here means it died.
         def on_parent_gone() -> None:
@@ -134,14 +136,18 @@ class Supervisor:
         exit_code = 0
         while self._children or (self._restart_at and not self._signals):
             if self._signals != seen:
-                seen = self._signals
-                self._relay(signal.SIGTERM)
-                if stop_deadline is None:
+                if seen == 0:
+                    self._relay(signal.SIGTERM)
                     stop_deadline = time.monotonic() + self.settings.grace_seconds + 15
                     logger.info("draining", extra={"action": "drain"})
-                else:
+                if self._signals >= 2:
+                    # Its own signal, not a second SIGTERM: two signals of one kind sent close
+                    # together can merge into one delivery.
+                    self._relay(signal.SIGUSR1)
+                    assert stop_deadline is not None
                     stop_deadline = min(stop_deadline, time.monotonic() + 5)
                     logger.info("stopping now", extra={"action": "stop_now"})
+                seen = self._signals
             if stop_deadline is not None and time.monotonic() > stop_deadline:
                 self._relay(signal.SIGKILL)
             code = self._reap_children(restart=stop_deadline is None)

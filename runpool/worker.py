@@ -201,7 +201,14 @@ class Worker:
 
     async def _execute(self, slot: _Slot) -> None:
         try:
-            outcome = await self._call(slot)
+            try:
+                outcome = await self._call(slot)
+            except Exception as exc:
+                # A bug of ours must end the run visibly, not leave it to a lease expiry.
+                logger.exception("internal error running %s", slot.claimed.id,
+                                 extra={"action": "run_internal_error", **slot.extra})
+                outcome = Outcome(slot.claimed.id, slot.claimed.attempt, "failed",
+                                  error=_error("internal_error", repr(exc)))
             if outcome is not None:
                 slot.finishing = True
                 assert self._outcomes is not None

@@ -1,0 +1,117 @@
+"""Bounded waits, pool processes and small SQL helpers shared by the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.05,
+             what: str = "condition") -> T:
+    """Poll predicate until it returns something truthy, or fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def pool_env(dsn: str, **settings: Any) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOOL_")}
+    env.pop("DATABASE_URL", None)
+    env["RUNPOOL_DSN"] = dsn
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for key, value in settings.items():
+        env[f"RUNPOOL_{key.upper()}"] = str(value)
+    return env
+
+
+class Pool(subprocess.Popen[bytes]):
+    log_path: Path
+
+    def log(self) -> str:
+        """Everything the supervisor and its workers logged so far."""
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def running_pool(dsn: str, app: str = "tests.apps:app", **settings: Any) -> Iterator[Pool]:
+    """A real `python -m runpool` supervisor; killed (with its workers) when the block exits."""
+    defaults: dict[str, Any] = {"workers": 1, "concurrency": 4, "poll_seconds": 1,
+                                "grace_seconds": 5}
+    defaults.update(settings)
+    log = tempfile.NamedTemporaryFile(prefix="runpool-pool-", suffix=".log", delete=False)
+    proc = Pool(
+        [sys.executable, "-m", "runpool", "--app", app],
+        env=pool_env(dsn, **defaults), cwd=ROOT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    proc.log_path = Path(log.name)
+    try:
+        yield proc
+    except BaseException:
+        # Show what the pool said: it is usually the explanation of a failure.
+        sys.stderr.write(proc.log()[-5000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        # The workers share the session: make sure none outlives the test.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
+        proc.log_path.unlink(missing_ok=True)
+
+
+def run_row(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> dict[str, Any]:
+    cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+    row = cur.execute("SELECT * FROM runpool.runs WHERE id = %s", (run_id,)).fetchone()
+    assert row is not None
+    return row
+
+
+def status_of(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> str:
+    return str(run_row(conn, run_id)["status"])
+
+
+def events(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> list[str]:
+    return [k for (k,) in conn.execute(
+        "SELECT kind FROM runpool.run_events WHERE run_id = %s ORDER BY id", (run_id,))]
+
+
+def live_workers(conn: psycopg.Connection[Any]) -> list[tuple[uuid.UUID, int]]:
+    return list(conn.execute(
+        "SELECT id, pid FROM runpool.workers WHERE stopped_at IS NULL ORDER BY started_at"))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+
+import psycopg
+
+import runpool
+from runpool.claiming import claim, reap
+from runpool.db import aconnect
+from runpool.queries import QUERIES
+from tests.helpers import events, run_row, wait_for
+
+
+async def _claimer(dsn: str, claimed: list[uuid.UUID], ready: asyncio.Barrier) -> None:
+    worker_id = uuid.uuid4()
+    async with await aconnect(dsn, autocommit=True) as conn:
+        await ready.wait()  # all eight connected: release them together
+        while True:
+            got = await claim(conn, worker_id=worker_id, limit=7, lease_seconds=30)
+            if not got:
+                return
+            claimed.extend(r.id for r in got)
+
+
+def test_claim__8_claimers_race_over_1000_runs_each_claimed_once(
+        conn: psycopg.Connection, dsn: str) -> None:
+    ids = runpool.enqueue_many(conn, [runpool.RunSpec(f"t{i % 5}", "noop") for i in range(1000)])
+
+    async def main() -> list[uuid.UUID]:
+        claimed: list[uuid.UUID] = []
+        ready = asyncio.Barrier(8)
+        await asyncio.gather(*(_claimer(dsn, claimed, ready) for _ in range(8)))
+        return claimed
+
+    claimed = asyncio.run(main())
+    assert Counter(claimed) == Counter(ids)
+    assert conn.execute(
+        "SELECT count(*) FROM runpool.runs WHERE status = 'running' AND attempt = 1"
+    ).fetchone() == (1000,)
+
+
+def test_claim__takes_priority_then_age(conn: psycopg.Connection, dsn: str) -> None:
+    low = runpool.enqueue(conn, "t", "noop", priority=0)
+    high = runpool.enqueue(conn, "t", "noop", priority=5)
+    later_low = runpool.enqueue(conn, "t", "noop", priority=0)
+
+    async def main() -> list[uuid.UUID]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            return [r.id for r in await claim(c, worker_id=uuid.uuid4(), limit=3,
+                                              lease_seconds=30)]
+
+    assert asyncio.run(main()) == [high, low, later_low]
+
+
+def test_lease_expired__reclaimed_with_next_attempt(conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "t", "noop")
+
+    async def claim_once(lease: float) -> list[runpool.claiming.ClaimedRun]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            return await claim(c, worker_id=uuid.uuid4(), limit=1, lease_seconds=lease)
+
+    first = asyncio.run(claim_once(0.3))
+    assert [(r.id, r.attempt) for r in first] == [(run_id, 1)]
+    # The lease is live: nobody else gets the run.
+    assert asyncio.run(claim_once(30)) == []
+    wait_for(lambda: conn.execute(
+        "SELECT lease_expires_at < now() FROM runpool.runs").fetchone()[0],
+        what="lease expiry")
+    second = asyncio.run(claim_once(30))
+    assert [(r.id, r.attempt) for r in second] == [(run_id, 2)]
+    assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed"]
+
+
+def test_lease_expired_on_last_attempt__fails_with_lease_expired(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "t", "noop", max_attempts=1)
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                 " lease_expires_at = now() - interval '1 second'")
+
+    async def main() -> int:
+        async with await aconnect(dsn, autocommit=True) as c:
+            return await reap(c)
+
+    assert asyncio.run(main()) == 1
+    row = run_row(conn, run_id)
+    assert (row["status"], row["error"]["reason"]) == ("failed", "lease_expired")
+
+
+def test_heartbeat__renews_only_the_current_attempt(conn: psycopg.Connection) -> None:
+    run_id = runpool.enqueue(conn, "t", "noop")
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 2,"
+                 " lease_expires_at = now() + interval '1 second'")
+    params = {"ids": [run_id], "lease_seconds": 60, "worker_id": uuid.uuid4()}
+    stale = conn.execute(QUERIES["heartbeat"], {**params, "attempts": [1]}).fetchall()
+    assert stale == []
+    current = conn.execute(QUERIES["heartbeat"], {**params, "attempts": [2]}).fetchall()
+    assert current == [(run_id, False)]
+    assert conn.execute("SELECT lease_expires_at > now() + interval '50 seconds'"
+                        " FROM runpool.runs").fetchone() == (True,)
+
+
+def test_finish__fenced_by_attempt(conn: psycopg.Connection) -> None:
+    run_id = runpool.enqueue(conn, "t", "noop")
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 2,"
+                 " lease_expires_at = now() + interval '30 seconds'")
+    params = {"ids": [run_id], "outcomes": ["succeeded"], "results": [psycopg.types.json.Jsonb(1)],
+              "errors": [None], "delays": [0.0]}
+    assert conn.execute(QUERIES["finish_runs"], {**params, "attempts": [1]}).fetchall() == []
+    assert run_row(conn, run_id)["status"] == "running"
+    assert conn.execute(QUERIES["finish_runs"], {**params, "attempts": [2]}).fetchall() == [
+        (run_id, "succeeded")]

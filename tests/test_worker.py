@@ -1,0 +1,153 @@
+"""Real pools (`python -m runpool` subprocesses) against a real database."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psycopg
+
+import runpool
+from tests.helpers import events, live_workers, pid_alive, run_row, running_pool, wait_for
+
+
+def _terminal(conn: psycopg.Connection, run_id: object) -> bool:
+    return run_row(conn, run_id)["status"] in ("succeeded", "failed", "cancelled")
+
+
+def test_pool__runs_handlers_and_stores_results(conn: psycopg.Connection, dsn: str) -> None:
+    ids = [runpool.enqueue(conn, "acme", "noop", {"i": i}) for i in range(20)]
+    sync_id = runpool.enqueue(conn, "acme", "sync_sleep", {"seconds": 0.05})
+    with running_pool(dsn, workers=2, concurrency=3):
+        wait_for(lambda: all(_terminal(conn, i) for i in [*ids, sync_id]), what="runs done")
+    for i, run_id in enumerate(ids):
+        row = run_row(conn, run_id)
+        assert (row["status"], row["result"]) == ("succeeded", {"input": {"i": i}, "attempt": 1})
+        assert events(conn, run_id) == ["enqueued", "claimed", "succeeded"]
+    assert run_row(conn, sync_id)["status"] == "succeeded"
+
+
+def test_retry__backs_off_then_fails_after_max_attempts_and_retry_run_revives(
+        conn: psycopg.Connection, dsn: str) -> None:
+    flaky = runpool.enqueue(conn, "acme", "flaky", {"fail_times": 2}, max_attempts=3)
+    doomed = runpool.enqueue(conn, "acme", "flaky", {"fail_times": 3}, max_attempts=3)
+    with running_pool(dsn, retry_backoff_seconds=0.2, poll_seconds=30):
+        wait_for(lambda: _terminal(conn, flaky) and _terminal(conn, doomed), what="retries")
+        assert (run_row(conn, flaky)["status"], run_row(conn, flaky)["attempt"]) == (
+            "succeeded", 3)
+        failed = run_row(conn, doomed)
+        assert (failed["status"], failed["attempt"], failed["error"]["reason"]) == (
+            "failed", 3, "exception")
+        assert "flaky failure on attempt 3" in failed["error"]["message"]
+        assert events(conn, doomed) == ["enqueued", "claimed", "retry_scheduled", "claimed",
+                                        "retry_scheduled", "claimed", "failed"]
+        # Backoff is exponential: the second wait is longer than the first.
+        waits = [w for (w,) in conn.execute(
+            "SELECT extract(epoch FROM at - lag(at) OVER (ORDER BY id)) FROM runpool.run_events"
+            " WHERE run_id = %s AND kind IN ('retry_scheduled', 'claimed') ORDER BY id",
+            (doomed,))][2::2]
+        assert waits[1] > waits[0] > 0.1
+        # retry_run gives it a new budget; attempt 4 succeeds (fail_times=3).
+        assert conn.execute("SELECT runpool.retry_run(%s)", (doomed,)).fetchone() == ("queued",)
+        wait_for(lambda: run_row(conn, doomed)["status"] == "succeeded", what="revived run")
+        assert run_row(conn, doomed)["attempt"] == 4
+
+
+def test_bad_handlers__fail_once_with_a_reason_and_the_worker_keeps_going(
+        conn: psycopg.Connection, dsn: str) -> None:
+    cases = {
+        "no_such_handler": "unknown_handler",
+        "fails": "failed",
+        "unserialisable": "result_not_serializable",
+        "nul_result": "result_not_serializable",
+    }
+    ids = {runpool.enqueue(conn, "acme", h, max_attempts=5): r for h, r in cases.items()}
+    with running_pool(dsn):
+        wait_for(lambda: all(_terminal(conn, i) for i in ids), what="bad runs done")
+        for run_id, reason in ids.items():
+            row = run_row(conn, run_id)
+            assert (row["status"], row["attempt"], row["error"]["reason"]) == (
+                "failed", 1, reason), row
+        after = runpool.enqueue(conn, "acme", "noop")
+        wait_for(lambda: run_row(conn, after)["status"] == "succeeded", what="worker alive")
+    assert "no handler named 'no_such_handler'" in run_row(
+        conn, next(iter(ids)))["error"]["message"]
+
+
+def test_heartbeats__keep_a_long_run_through_many_lease_periods(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 4})
+    with running_pool(dsn, workers=2, lease_seconds=0.9):
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="long run")
+    row = run_row(conn, run_id)
+    assert row["attempt"] == 1
+    assert events(conn, run_id) == ["enqueued", "claimed", "succeeded"]
+
+
+def test_worker_sigkilled_mid_run__run_completes_elsewhere_after_lease_expiry(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 2})
+    with running_pool(dsn, workers=2, lease_seconds=1.5):
+        wait_for(lambda: run_row(conn, run_id)["status"] == "running", what="claim")
+        holder = run_row(conn, run_id)["worker_id"]
+        pid = conn.execute("SELECT pid FROM runpool.workers WHERE id = %s", (holder,)).fetchone()[0]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=30,
+                 what="reclaimed run to finish")
+    row = run_row(conn, run_id)
+    assert row["attempt"] == 2 and row["result"]["pid"] != pid
+    assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+
+
+def test_supervisor__restarts_a_killed_worker(conn: psycopg.Connection, dsn: str) -> None:
+    with running_pool(dsn, workers=1):
+        (_, pid), = wait_for(lambda: live_workers(conn), what="worker up")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: [w for w in live_workers(conn) if w[1] != pid], what="restart")
+        run_id = runpool.enqueue(conn, "acme", "noop")
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="new worker works")
+
+
+def test_sigterm__drains_finishes_short_runs_releases_long_ones(
+        conn: psycopg.Connection, dsn: str) -> None:
+    short = runpool.enqueue(conn, "acme", "sleep", {"seconds": 1})
+    long = runpool.enqueue(conn, "acme", "sleep", {"seconds": 60})
+    # Two slots, both busy: `late` could only start in a slot that frees during the drain.
+    with running_pool(dsn, workers=1, concurrency=2, grace_seconds=2.5) as proc:
+        wait_for(lambda: all(run_row(conn, i)["status"] == "running" for i in (short, long)),
+                 what="both running")
+        (_, worker_pid), = live_workers(conn)
+        late = runpool.enqueue(conn, "acme", "noop", priority=100)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not pid_alive(worker_pid)
+    assert run_row(conn, short)["status"] == "succeeded"
+    released = run_row(conn, long)
+    # Released at once for another host, and the attempt does not count against the budget.
+    assert (released["status"], released["attempt"], released["attempt_offset"]) == (
+        "queued", 1, 1)
+    assert events(conn, long)[-1] == "released"
+    # A draining pool claims nothing new.
+    assert run_row(conn, late)["status"] == "queued"
+
+
+def test_second_sigterm__stops_at_once(conn: psycopg.Connection, dsn: str) -> None:
+    long = runpool.enqueue(conn, "acme", "sleep", {"seconds": 60})
+    with running_pool(dsn, workers=1, grace_seconds=60) as proc:
+        wait_for(lambda: run_row(conn, long)["status"] == "running", what="running")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "action=drain worker_id" in proc.log(), what="worker draining")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    assert run_row(conn, long)["status"] == "queued"
+    assert events(conn, long)[-1] == "released"
+
+
+def test_supervisor_sigkilled__workers_exit(conn: psycopg.Connection, dsn: str) -> None:
+    with running_pool(dsn, workers=2) as proc:
+        workers = wait_for(lambda: len(live_workers(conn)) == 2 and live_workers(conn),
+                           what="workers up")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        for _, pid in workers:
+            wait_for(lambda pid=pid: not pid_alive(pid), timeout=15, what=f"worker {pid} exit")
