@@ -53,20 +53,24 @@ async def claim(
     """
     if limit <= 0:
         return []
-    async with conn.transaction():
-        await reap(conn)
-        cur = await conn.execute(QUERIES["lock_tenants"])
-        tenants = [t for (t,) in await cur.fetchall()]
-        if not tenants:
-            return []
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(
-            QUERIES["claim_runs"],
-            {
-                "tenants": tenants,
-                "limit": limit,
-                "worker_id": worker_id,
-                "lease_seconds": lease_seconds,
-            },
-        )
-        return [ClaimedRun(**row) for row in await cur.fetchall()]
+    # Pipelined: BEGIN, the reap and the tenant locks travel in one round trip; the claim and
+    # COMMIT in a second.
+    async with conn.pipeline():
+        async with conn.transaction():
+            await conn.execute(QUERIES["reap_expired"])
+            cur = await conn.execute(QUERIES["lock_tenants"])
+            tenants = [t for (t,) in await cur.fetchall()]
+            if not tenants:
+                return []
+            claimed = conn.cursor(row_factory=dict_row)
+            await claimed.execute(
+                QUERIES["claim_runs"],
+                {
+                    "tenants": tenants,
+                    "limit": limit,
+                    "worker_id": worker_id,
+                    "lease_seconds": lease_seconds,
+                },
+            )
+    # Read only after COMMIT: a run is handed to a handler once its claim is durable.
+    return [ClaimedRun(**row) for row in await claimed.fetchall()]

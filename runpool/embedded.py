@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 from .errors import RunpoolError
@@ -18,7 +19,10 @@ def start_embedded(data_dir: str | Path) -> str:
     """Start (or reuse) the embedded server in data_dir and return its DSN. The server outlives
     this process so workers, CLI commands and psql can share it."""
     try:
-        import pgserver
+        with warnings.catch_warnings():
+            # platformdirs warns when XDG_RUNTIME_DIR is unset and falls back to /tmp: harmless.
+            warnings.simplefilter("ignore")
+            import pgserver
     except ImportError:
         raise RunpoolError(
             "no RUNPOOL_DSN or DATABASE_URL is set and the embedded PostgreSQL is not installed:"
@@ -26,7 +30,9 @@ def start_embedded(data_dir: str | Path) -> str:
         ) from None
     path = Path(data_dir).absolute()
     path.mkdir(parents=True, exist_ok=True)
-    server = pgserver.get_server(path, cleanup_mode=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        server = pgserver.get_server(path, cleanup_mode=None)
     return str(server.get_uri())
 
 
