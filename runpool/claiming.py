@@ -45,11 +45,14 @@ async def claim(
     worker_id: uuid.UUID,
     limit: int,
     lease_seconds: float,
+    touch: bool = False,
 ) -> list[ClaimedRun]:
     """Claim up to `limit` runs in one short transaction (never held across handler code).
 
     The tenant locks make quotas exact under any number of concurrent claimers; the claim
     statement runs after them so its snapshot already sees every earlier claimer's commit.
+    With `touch`, the worker's liveness is recorded in the same transaction, so an idle worker
+    costs one transaction per poll and no more.
     """
     if limit <= 0:
         return []
@@ -58,6 +61,8 @@ async def claim(
     async with conn.pipeline():
         async with conn.transaction():
             await conn.execute(QUERIES["reap_expired"])
+            if touch:
+                await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
             cur = await conn.execute(QUERIES["lock_tenants"])
             tenants = [t for (t,) in await cur.fetchall()]
             if not tenants:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Final
-
 import re
+from typing import Any, Final
 
 import orjson
 import psycopg

@@ -32,7 +32,7 @@ def start_embedded(data_dir: str | Path) -> str:
     path.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        server = pgserver.get_server(path, cleanup_mode=None)
+        server = pgserver.get_server(path, cleanup_mode=None)  # type: ignore[attr-defined]
     return str(server.get_uri())
 
 

@@ -13,7 +13,7 @@ import psycopg
 
 from .db import aconnect
 
-__all__ = ["WAKEUP", "CANCEL", "Listener"]
+__all__ = ["CANCEL", "WAKEUP", "Listener"]
 
 logger = logging.getLogger("runpool.listener")
 

@@ -226,6 +226,10 @@ UPDATE runpool.config SET
     default_quota = CASE WHEN %(set_quota)s THEN %(default_quota)s ELSE default_quota END,
     max_input_bytes = coalesce(%(max_input_bytes)s, max_input_bytes);
 
+-- name: touch_worker
+-- Mark a worker alive (idle workers do it inside their poll's claim transaction).
+UPDATE runpool.workers SET last_seen_at = now() WHERE id = %(worker_id)s;
+
 -- name: stop_worker
 -- Mark a worker as stopped on a clean exit.
 UPDATE runpool.workers SET stopped_at = now(), last_seen_at = now() WHERE id = %(worker_id)s;

@@ -2,9 +2,10 @@
 
 Signals: the first SIGTERM/SIGINT drains (workers stop claiming, get --grace seconds, then
 release their leases); a second one stops at once (relayed to workers as SIGUSR1). A worker
-also takes SIGTERM directly: the first drains, the second stops it at once. Workers ignore SIGINT, since a terminal's
-Ctrl-C reaches the whole process group and only the supervisor's relay should count. The
-supervisor opens no database connection and starts no thread before it forks.
+also takes SIGTERM directly: the first drains, the second stops it at once. Workers ignore
+SIGINT, since a terminal's Ctrl-C reaches the whole process group and only the supervisor's
+relay should count. The supervisor opens no database connection and starts no thread before
+it forks.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
         stop.set()
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
-    loop.add_signal_handler(signal.SIGUSR1, lambda: (stop.set(), abort.set()))
+    def on_abort() -> None:
+        stop.set()
+        abort.set()
+
+    loop.add_signal_handler(signal.SIGUSR1, on_abort)
     if parent_fd is not None:
         # The write end lives only in the supervisor: EOF here means it died.
         def on_parent_gone() -> None:

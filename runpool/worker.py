@@ -178,16 +178,12 @@ class Worker:
     async def _claim(self, limit: int) -> list[ClaimedRun]:
         assert self._pool is not None
         sent = time.monotonic()
+        touch = sent - self._last_touch > self.settings.heartbeat_seconds
         async with self._pool.connection() as conn:
-            claimed = await claim(
-                conn, worker_id=self.id, limit=limit, lease_seconds=self.settings.lease_seconds
-            )
-            if sent - self._last_touch > self.settings.heartbeat_seconds:
-                # Idle workers only show they are alive through their polls.
-                await conn.execute(QUERIES["heartbeat"], {
-                    "ids": [], "attempts": [], "lease_seconds": self.settings.lease_seconds,
-                    "worker_id": self.id})
-                self._last_touch = sent
+            claimed = await claim(conn, worker_id=self.id, limit=limit,
+                                  lease_seconds=self.settings.lease_seconds, touch=touch)
+        if touch:
+            self._last_touch = sent
         return claimed
 
     def _start(self, c: ClaimedRun) -> None:
@@ -238,7 +234,7 @@ class Worker:
                 f" (known: {', '.join(self.app.names) or 'none'})"))
         try:
             if handler.is_async:
-                result = await handler.fn(run)  # type: ignore[misc]
+                result = await handler.fn(run)
             else:
                 result = await asyncio.to_thread(handler.fn, run)
         except asyncio.CancelledError:
@@ -293,6 +289,8 @@ class Worker:
     async def _beat(self) -> None:
         assert self._pool is not None
         slots = [s for s in self.slots.values() if s.stop_reason is None]
+        if not slots:
+            return  # an idle worker shows it is alive through its polls
         sent = time.monotonic()
         async with self._pool.connection(timeout=self.settings.heartbeat_seconds) as conn:
             cur = await conn.execute(QUERIES["heartbeat"], {

@@ -90,6 +90,12 @@ def run_row(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> dict[str, Any]:
     return row
 
 
+def scalar(conn: psycopg.Connection[Any], query: Any, *params: Any) -> Any:
+    row = conn.execute(query, params or None).fetchone()
+    assert row is not None, query
+    return row[0]
+
+
 def status_of(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> str:
     return str(run_row(conn, run_id)["status"])
 

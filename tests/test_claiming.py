@@ -10,7 +10,7 @@ import runpool
 from runpool.claiming import claim, reap
 from runpool.db import aconnect
 from runpool.queries import QUERIES
-from tests.helpers import events, run_row, wait_for
+from tests.helpers import events, run_row, scalar, wait_for
 
 
 async def _claimer(dsn: str, claimed: list[uuid.UUID], ready: asyncio.Barrier) -> None:
@@ -65,9 +65,8 @@ def test_lease_expired__reclaimed_with_next_attempt(conn: psycopg.Connection, ds
     assert [(r.id, r.attempt) for r in first] == [(run_id, 1)]
     # The lease is live: nobody else gets the run.
     assert asyncio.run(claim_once(30)) == []
-    wait_for(lambda: conn.execute(
-        "SELECT lease_expires_at < now() FROM runpool.runs").fetchone()[0],
-        what="lease expiry")
+    wait_for(lambda: scalar(conn, "SELECT lease_expires_at < now() FROM runpool.runs"),
+             what="lease expiry")
     second = asyncio.run(claim_once(30))
     assert [(r.id, r.attempt) for r in second] == [(run_id, 2)]
     assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed"]

@@ -10,7 +10,7 @@ import pytest
 
 import runpool
 from runpool.db import aconnect, connect
-from tests.helpers import events, run_row
+from tests.helpers import events, run_row, scalar
 
 
 def test_enqueue__stores_the_run_and_joins_the_callers_transaction(dsn: str) -> None:
@@ -129,5 +129,5 @@ def test_enqueue_input_limit__is_configurable(conn: psycopg.Connection) -> None:
 
 def test_enqueue_sql__injection_in_tenant_is_just_data(conn: psycopg.Connection) -> None:
     tenant = "x'); DROP TABLE runpool.runs; --"
-    run_id = conn.execute("SELECT runpool.enqueue(%s, 'noop')", (tenant,)).fetchone()[0]
+    run_id = scalar(conn, "SELECT runpool.enqueue(%s, 'noop')", tenant)
     assert run_row(conn, run_id)["tenant"] == tenant

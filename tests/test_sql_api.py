@@ -4,6 +4,7 @@ import uuid
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import runpool
 from tests.helpers import events, run_row, status_of
@@ -99,5 +100,5 @@ def test_schema_constraints__reject_impossible_rows(conn: psycopg.Connection) ->
                    "status = 'running'",  # a running run must hold a lease
                    "status = 'succeeded'"):  # a terminal run must have finished_at
         with pytest.raises(psycopg.errors.CheckViolation):
-            conn.execute("UPDATE runpool.runs SET " + change + " WHERE id = %s",  # type: ignore[operator]
-                         (run_id,))
+            conn.execute(sql.SQL("UPDATE runpool.runs SET {} WHERE id = %s").format(
+                sql.SQL(change)), (run_id,))

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import os
 import signal
+import uuid
 
 import psycopg
 
 import runpool
-from tests.helpers import events, live_workers, pid_alive, run_row, running_pool, wait_for
+from tests.helpers import (
+    events,
+    live_workers,
+    pid_alive,
+    run_row,
+    running_pool,
+    scalar,
+    wait_for,
+)
 
 
-def _terminal(conn: psycopg.Connection, run_id: object) -> bool:
+def _terminal(conn: psycopg.Connection, run_id: uuid.UUID) -> bool:
     return run_row(conn, run_id)["status"] in ("succeeded", "failed", "cancelled")
 
 
@@ -90,7 +99,7 @@ def test_worker_sigkilled_mid_run__run_completes_elsewhere_after_lease_expiry(
     with running_pool(dsn, workers=2, lease_seconds=1.5):
         wait_for(lambda: run_row(conn, run_id)["status"] == "running", what="claim")
         holder = run_row(conn, run_id)["worker_id"]
-        pid = conn.execute("SELECT pid FROM runpool.workers WHERE id = %s", (holder,)).fetchone()[0]
+        pid = scalar(conn, "SELECT pid FROM runpool.workers WHERE id = %s", holder)
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=30,
                  what="reclaimed run to finish")
@@ -145,9 +154,9 @@ def test_second_sigterm__stops_at_once(conn: psycopg.Connection, dsn: str) -> No
 
 def test_supervisor_sigkilled__workers_exit(conn: psycopg.Connection, dsn: str) -> None:
     with running_pool(dsn, workers=2) as proc:
-        workers = wait_for(lambda: len(live_workers(conn)) == 2 and live_workers(conn),
-                           what="workers up")
+        wait_for(lambda: len(live_workers(conn)) == 2, what="workers up")
+        workers = live_workers(conn)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        for _, pid in workers:
-            wait_for(lambda pid=pid: not pid_alive(pid), timeout=15, what=f"worker {pid} exit")
+        wait_for(lambda: not any(pid_alive(pid) for _, pid in workers), timeout=15,
+                 what="workers to exit")
