@@ -18,7 +18,9 @@ AS $$
 #variable_conflict use_column
 DECLARE
     cfg runpool.config;
-    available timestamptz := greatest(coalesce(enqueue.run_at, now()), now());
+    -- clock_timestamp, not now(): runs enqueued in one transaction keep their order.
+    available timestamptz := greatest(coalesce(enqueue.run_at, clock_timestamp()),
+                                      clock_timestamp());
     new_id uuid;
 BEGIN
     IF enqueue.tenant IS NULL OR length(enqueue.tenant) NOT BETWEEN 1 AND 200 THEN
@@ -142,8 +144,8 @@ BEGIN
     END IF;
     SELECT aging_seconds INTO step FROM runpool.config;
     UPDATE runpool.runs r SET
-        status = 'queued', attempt_offset = r.attempt, available_at = now(),
-        rank = extract(epoch FROM now()) - r.priority * step,
+        status = 'queued', attempt_offset = r.attempt, available_at = clock_timestamp(),
+        rank = extract(epoch FROM clock_timestamp()) - r.priority * step,
         finished_at = NULL, lease_expires_at = NULL, worker_id = NULL,
         cancel_requested_at = NULL, cancel_reason = NULL
     WHERE r.id = run.id;

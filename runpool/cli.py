@@ -20,11 +20,14 @@ from .settings import Settings
 
 __all__ = ["main"]
 
-COMMANDS = ("run", "migrate", "enqueue", "cancel", "retry", "status", "demo", "bench")
+COMMANDS = (
+    "run", "migrate", "enqueue", "cancel", "retry", "explain", "status", "demo", "bench",
+)
 
 # The SQL API, called exactly as an application would.
 CANCEL = "SELECT runpool.cancel_run(%s::uuid, %s, %s)"
 RETRY = "SELECT runpool.retry_run(%s::uuid)"
+EXPLAIN = "SELECT runpool.explain_run(%s::uuid)"
 
 _HELP = {
     "dsn": "PostgreSQL DSN (else DATABASE_URL, else an embedded server)",
@@ -108,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("retry", help="put a failed or cancelled run back in the queue")
     _add_settings_flags(p, db_only)
     p.add_argument("run_id")
+
+    p = sub.add_parser("explain", help="why a run is (not) running")
+    _add_settings_flags(p, db_only)
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true", help="print the JSON document")
 
     p = sub.add_parser("status", help="runs by status and tenant, live workers")
     _add_settings_flags(p, db_only)
@@ -223,6 +231,18 @@ def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     if args.command == "retry":
         row = conn.execute(RETRY, (_parse_run_id(args.run_id),)).fetchone()
         return _answer(row, args.run_id)
+    if args.command == "explain":
+        row = conn.execute(EXPLAIN, (_parse_run_id(args.run_id),)).fetchone()
+        if row is None or row[0] is None:
+            return _answer(None, args.run_id)
+        doc = row[0]
+        if args.json:
+            print(json.dumps(doc))
+        else:
+            print(doc.pop("summary"))
+            for key, value in doc.items():
+                print(f"  {key}: {value}")
+        return 0
     if args.command == "status":
         from .status import collect, render
 

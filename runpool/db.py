@@ -31,6 +31,11 @@ KEEPALIVES: dict[str, Any] = {
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
+# The queue's statements are short index probes: JIT compilation (which a cost estimate on
+# young statistics can trigger) would cost a hundred times the query.
+NO_JIT: Final = "SET jit = off"
+
+
 def dumps(value: Any) -> bytes:
     """Serialise a JSON value, refusing what PostgreSQL's jsonb cannot store."""
     try:
@@ -54,20 +59,19 @@ def configure(context: AdaptContext) -> None:
 
 
 def connect(dsn: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
-    conn = psycopg.connect(dsn, autocommit=autocommit, **KEEPALIVES)
+    conn = psycopg.connect(dsn, autocommit=True, **KEEPALIVES)
     configure(conn)
+    conn.execute(NO_JIT)
+    conn.autocommit = autocommit
     return conn
 
 
 async def aconnect(dsn: str, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit, **KEEPALIVES)
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **KEEPALIVES)
     configure(conn)
+    await conn.execute(NO_JIT)
+    await conn.set_autocommit(autocommit)
     return conn
-
-
-# The queue's statements are short index probes: JIT compilation (which a cost estimate on
-# young statistics can trigger) would cost a hundred times the query.
-NO_JIT: Final = "SET jit = off"
 
 
 async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:

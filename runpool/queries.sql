@@ -56,9 +56,8 @@ WITH RECURSIVE waiting AS (
 SELECT t.tenant
 FROM runpool.tenants t
 JOIN waiting w ON w.tenant = t.tenant
-CROSS JOIN runpool.config c
-WHERE coalesce(t.max_running, c.default_quota) IS NULL
-   OR coalesce(t.max_running, c.default_quota) > (
+WHERE coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) IS NULL
+   OR coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) > (
         SELECT count(*) FROM runpool.runs l
         WHERE l.tenant = t.tenant AND l.status = 'running' AND l.lease_expires_at > now())
 ORDER BY t.tenant
@@ -71,12 +70,11 @@ WITH capacity AS (
     -- Recounted under the tenant locks, in this statement's fresh snapshot: no other claimer
     -- can add a live lease for these tenants until we commit, so the quota is exact.
     SELECT t.tenant,
-           coalesce(t.max_running, c.default_quota) - (
+           coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) - (
                SELECT count(*) FROM runpool.runs l
                WHERE l.tenant = t.tenant AND l.status = 'running'
                  AND l.lease_expires_at > now()) AS free
     FROM runpool.tenants t
-    CROSS JOIN runpool.config c
     WHERE t.tenant = ANY(%(tenants)s::text[])
 ),
 candidates AS (
@@ -88,7 +86,7 @@ candidates AS (
         FROM runpool.runs r
         WHERE r.tenant = cap.tenant
           AND r.status = 'queued'
-          AND r.available_at <= now()
+          AND r.available_at <= clock_timestamp()
         ORDER BY r.rank
         LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)
     ) head
@@ -174,9 +172,10 @@ done AS (
                             THEN now() + d.delay * interval '1 second' ELSE r.available_at END,
         -- A retry is a new arrival: it ages from the end of its backoff.
         rank = CASE WHEN d.status = 'queued'
-                    THEN extract(epoch FROM now()) + d.delay - d.priority * c.aging_seconds
+                    THEN extract(epoch FROM now()) + d.delay
+                         - d.priority * (SELECT aging_seconds FROM runpool.config)
                     ELSE r.rank END
-    FROM decided d, runpool.config c
+    FROM decided d
     WHERE r.id = d.id AND r.attempt = d.attempt AND r.status = 'running'
     RETURNING r.id, r.attempt, r.status, r.worker_id, r.error
 ),

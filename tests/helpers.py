@@ -91,7 +91,8 @@ def run_row(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> dict[str, Any]:
 
 
 def scalar(conn: psycopg.Connection[Any], query: Any, *params: Any) -> Any:
-    row = conn.execute(query, params or None).fetchone()
+    args = params[0] if len(params) == 1 and isinstance(params[0], dict) else params
+    row = conn.execute(query, args or None).fetchone()
     assert row is not None, query
     return row[0]
 
