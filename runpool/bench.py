@@ -7,6 +7,7 @@ README records them with the machine they came from.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import time
@@ -40,6 +41,12 @@ async def noop(run: Run) -> Any:
 async def stamp(run: Run) -> Any:
     """Returns when the handler started, for wake-up latency."""
     return time.time()
+
+
+@app.handler("sleep")
+async def sleep(run: Run) -> Any:
+    await asyncio.sleep(float(run.input["seconds"]))
+    return None
 
 
 # Server-wide transaction counter of one database (read from another database, so the
@@ -161,11 +168,93 @@ def w3_idle(server: str, *, seconds: float = 60.0) -> dict[str, Any]:
             "xact_per_s": round((after[0] - before[0]) / elapsed, 3)}
 
 
+def _w5_waits(server: str, burst: list[RunSpec], watch: set[str]) -> dict[str, float]:
+    """p95 wait (enqueue -> start) per watched tenant, for one burst on a fresh pool."""
+    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
+        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10, tenant_quota=5):
+            _wait(conn, LIVE_WORKERS, 2, timeout=60)
+            enqueue_many(conn, burst)
+            _wait(conn, COUNT_DONE, len(burst), timeout=600)
+        waits: dict[str, list[float]] = {}
+        for tenant, wait in conn.execute(
+                "SELECT tenant, extract(epoch FROM started_at - created_at) FROM runpool.runs"):
+            waits.setdefault(tenant, []).append(float(wait))
+    return {t: _pct(waits[t], 95) for t in watch}
+
+
+def w5_fairness(server: str, *, small: int = 40, seconds: float = 0.05) -> dict[str, Any]:
+    """W5: 4 tenants, one enqueues 10x the others in one burst (first in line); each small
+    tenant's p95 wait versus its p95 wait running alone. Default quota 5, 2 workers x 10."""
+    smalls = ["small1", "small2", "small3"]
+    alone = _w5_waits(server, [RunSpec("small1", "sleep", {"seconds": seconds})
+                               for _ in range(small)], {"small1"})["small1"]
+    burst = [RunSpec("big", "sleep", {"seconds": seconds}) for _ in range(small * 10)]
+    burst += [RunSpec(t, "sleep", {"seconds": seconds}) for _ in range(small) for t in smalls]
+    shared = _w5_waits(server, burst, set(smalls))
+    worst = max(shared.values())
+    return {"workload": "W5", "alone_p95_s": round(alone, 3),
+            "shared_p95_s": {t: round(v, 3) for t, v in sorted(shared.items())},
+            "worst_ratio": round(worst / alone, 2)}
+
+
+# Bench setup only (W1 measures enqueue): load a backlog straight into the table, one tenant
+# holding 90% of it with ranks ahead of everyone else's.
+LOAD_BACKLOG: Final = """
+INSERT INTO runpool.runs (tenant, handler, rank, max_attempts)
+SELECT CASE WHEN g <= %(big)s THEN 'flood' ELSE 'small' || (g %% 9) END, 'noop',
+       extract(epoch FROM now()) - 1e6 + g * 1e-3, 3
+FROM generate_series(1, %(depth)s) g
+"""
+LOAD_TENANTS: Final = """
+INSERT INTO runpool.tenants (tenant, max_running)
+SELECT 'small' || g, NULL FROM generate_series(0, 8) g
+UNION ALL SELECT 'flood', 10
+"""
+
+
+async def _claim_latencies(dsn: str, claims: int) -> list[float]:
+    from .claiming import claim
+    from .db import aconnect
+    from .queries import QUERIES
+
+    worker = uuid.uuid4()
+    times = []
+    async with await aconnect(dsn, autocommit=True) as conn:
+        await claim(conn, worker_id=worker, limit=10, lease_seconds=3600)  # flood at quota
+        for _ in range(claims):
+            t0 = time.perf_counter()
+            got = await claim(conn, worker_id=worker, limit=10, lease_seconds=3600)
+            times.append((time.perf_counter() - t0) * 1000)
+            # Put them back in line (rank kept): the depth stays what it was, and no tenant's
+            # queue runs dry, which would make later claims cheaper than the first.
+            await conn.execute(QUERIES["release_runs"], {
+                "ids": [r.id for r in got], "attempts": [r.attempt for r in got],
+                "worker_id": worker})
+    return times
+
+
+def w6_claim_depth(server: str, *, claims: int = 300) -> dict[str, Any]:
+    """W6: claim latency at 1k / 100k / 1M queued runs, 90% of them one tenant's at quota."""
+    out: dict[str, Any] = {"workload": "W6"}
+    for label, depth in (("1k", 1_000), ("100k", 100_000), ("1m", 1_000_000)):
+        with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
+            conn.execute(LOAD_TENANTS)
+            conn.execute(LOAD_BACKLOG, {"depth": depth, "big": depth * 9 // 10})
+            conn.execute("VACUUM ANALYZE runpool.runs")
+            times = asyncio.run(_claim_latencies(dsn, claims))
+        out[f"p50_ms_{label}"] = round(_pct(times, 50), 3)
+        out[f"p99_ms_{label}"] = round(_pct(times, 99), 3)
+    out["p50_ratio_1m_to_1k"] = round(out["p50_ms_1m"] / out["p50_ms_1k"], 2)
+    return out
+
+
 WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W1": w1_throughput,
     "W1q": lambda server: w1_throughput(server, quotas=True),
     "W2": w2_latency,
     "W3": w3_idle,
+    "W5": w5_fairness,
+    "W6": w6_claim_depth,
 }
 
 

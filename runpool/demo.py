@@ -92,9 +92,10 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
             print(f"  {tenant:<10} " + "  ".join(f"{s} {counts[s]}" for s in STATUSES))
         failed = conn.execute(
             "SELECT id, handler, error->>'reason' FROM runpool.runs WHERE status = 'failed'"
-            " ORDER BY handler LIMIT 5").fetchall()
+            " ORDER BY handler").fetchall()
         if failed:
-            print("\nfailed runs (the dead-letter list; `python -m runpool retry RUN_ID` replays):")
+            print(f"\n{len(failed)} failed runs (the dead-letter list;"
+                  " `python -m runpool retry RUN_ID` replays one):")
             for run_id, handler, reason in failed:
                 print(f"  {run_id}  {handler:<10} {reason}")
     print("\nthe pool drained and stopped; runs stay in the database for inspection.",
