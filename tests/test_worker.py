@@ -160,3 +160,21 @@ def test_supervisor_sigkilled__workers_exit(conn: psycopg.Connection, dsn: str) 
         proc.wait(timeout=10)
         wait_for(lambda: not any(pid_alive(pid) for _, pid in workers), timeout=15,
                  what="workers to exit")
+
+
+def test_lease_taken_over__task_cancelled_and_its_outcome_fenced(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 3})
+    with running_pool(dsn, workers=1, lease_seconds=1.2) as pool:
+        wait_for(lambda: run_row(conn, run_id)["status"] == "running", what="claim")
+        # Another claimer takes the run over (as after a reclaim): attempt 2 now holds it.
+        conn.execute("UPDATE runpool.runs SET attempt = attempt + 1 WHERE id = %s", (run_id,))
+        wait_for(lambda: "action=lease_lost" in pool.log(), what="lease loss noticed")
+        # Attempt 2's lease runs out (nobody renews it), it is reclaimed, and attempt 3 runs.
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=30,
+                 what="run finished by a later attempt")
+    row = run_row(conn, run_id)
+    assert row["attempt"] == 3 and row["result"]["attempt"] == 3
+    # Attempt 1 never wrote its outcome, though its handler would have finished in 3 s.
+    assert scalar(conn, "SELECT count(*) FROM runpool.run_events WHERE run_id = %s"
+                  " AND kind = 'succeeded'", run_id) == 1
