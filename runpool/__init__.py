@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from .app import App, Run
+from checkpoints import Message, ToolCall
+
+from .app import App
+from .context import Run
 from .enqueue import RunSpec, enqueue, enqueue_async, enqueue_many
-from .errors import Fail, InvalidInput, LeaseLost, RunpoolError, SchemaOutOfDate
+from .errors import (
+    Fail,
+    InvalidInput,
+    LeaseLost,
+    RunpoolError,
+    SchemaOutOfDate,
+    ToolOutcomeUnknown,
+)
 from .settings import Settings
 
 __all__ = [
@@ -12,11 +22,14 @@ __all__ = [
     "Fail",
     "InvalidInput",
     "LeaseLost",
+    "Message",
     "Run",
     "RunSpec",
     "RunpoolError",
     "SchemaOutOfDate",
     "Settings",
+    "ToolCall",
+    "ToolOutcomeUnknown",
     "enqueue",
     "enqueue_async",
     "enqueue_many",

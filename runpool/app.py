@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .errors import InvalidInput
 
-__all__ = ["App", "Handler", "Run"]
+__all__ = ["App", "Handler"]
+
+if TYPE_CHECKING:
+    from .context import Run
 
 HandlerFn: TypeAlias = Callable[["Run"], Awaitable[Any]] | Callable[["Run"], Any]
 
@@ -54,34 +55,3 @@ class App:
     @property
     def names(self) -> list[str]:
         return sorted(self._handlers)
-
-
-class Run:
-    """One attempt of a run, as its handler sees it.
-
-    The worker owns this object: it sets the cancellation flag (from a NOTIFY or a heartbeat);
-    the handler only reads it.
-    """
-
-    __slots__ = ("_cancelled", "attempt", "handler", "id", "input", "tenant")
-
-    def __init__(
-        self, *, id: uuid.UUID, tenant: str, handler: str, attempt: int, input: Any
-    ) -> None:
-        self.id = id
-        self.tenant = tenant
-        self.handler = handler
-        self.attempt = attempt
-        self.input = input
-        self._cancelled = asyncio.Event()
-
-    @property
-    def cancelled(self) -> bool:
-        """True once a cancellation of this run reached the worker."""
-        return self._cancelled.is_set()
-
-    def _mark_cancelled(self) -> None:
-        self._cancelled.set()
-
-    def __repr__(self) -> str:
-        return f"Run(id={self.id}, tenant={self.tenant!r}, attempt={self.attempt})"

@@ -19,7 +19,8 @@ from typing import Any, Final
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .app import App, Run
+from .app import App
+from .context import Run
 from .db import connect
 from .embedded import resolve_dsn
 from .enqueue import RunSpec, enqueue, enqueue_many

@@ -43,6 +43,8 @@ _HELP = {
     "aging_seconds": "seconds of waiting worth one priority point (runpool.config)",
     "cancel_grace_seconds": "how long a cancelled handler may clean up",
     "max_input_bytes": "largest accepted run input (runpool.config)",
+    "max_message_bytes": "largest message or tool result a handler may commit",
+    "pool_size": "database connections per worker (default 3 + concurrency/4)",
     "listen": "use LISTEN/NOTIFY (0: poll only, for transaction-mode poolers)",
     "data_dir": "embedded PostgreSQL data directory",
 }

@@ -8,7 +8,8 @@ import sys
 import time
 from typing import Any, Final
 
-from .app import App, Run
+from .app import App
+from .context import Run
 from .db import connect
 from .embedded import resolve_dsn
 from .enqueue import RunSpec, enqueue_many

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+# One class for both packages: checkpoints raises it, handlers catch runpool.LeaseLost.
+from checkpoints import LeaseLost
+
 __all__ = [
     "Fail",
     "InvalidInput",
     "LeaseLost",
     "RunpoolError",
     "SchemaOutOfDate",
+    "ToolOutcomeUnknown",
 ]
 
 
@@ -26,8 +30,14 @@ class SchemaOutOfDate(RunpoolError):
     """The database schema is out of date: run `python -m runpool migrate`."""
 
 
-class LeaseLost(RunpoolError):
-    """This attempt no longer holds the run's lease; its writes are rejected."""
+class ToolOutcomeUnknown(RunpoolError):
+    """A tool call was interrupted in an earlier attempt and may not be retried: whether its
+    side effect happened is unknown, and the agent must decide what to do."""
+
+    def __init__(self, call_id: str) -> None:
+        super().__init__(f"the outcome of tool call {call_id!r} is unknown: it was interrupted"
+                         " in an earlier attempt and is not safe to retry")
+        self.call_id = call_id
 
 
 class Fail(RunpoolError):
@@ -38,5 +48,5 @@ class Fail(RunpoolError):
         self.reason = reason
 
 
-for _cls in (RunpoolError, InvalidInput, SchemaOutOfDate, LeaseLost, Fail):
+for _cls in (RunpoolError, InvalidInput, SchemaOutOfDate, ToolOutcomeUnknown, Fail):
     _cls.__module__ = "runpool"

@@ -40,6 +40,12 @@ class Settings:
     aging_seconds: float | None = None
     cancel_grace_seconds: float = 10.0
     max_input_bytes: int | None = None
+    # Largest message or tool result a handler may commit (a bigger tool result is committed
+    # as an error the model sees; a bigger message is refused with InvalidInput).
+    max_message_bytes: int = 1 << 20
+    # Connections per worker for claims, heartbeats, outcomes and checkpoint writes;
+    # None: 3 + concurrency / 4.
+    pool_size: int | None = None
     listen: bool = True
     data_dir: str = ".runpool/pgdata"
 
@@ -61,8 +67,17 @@ class Settings:
             raise InvalidInput(
                 f"tenant_quota must be between 0 and 1000000, got {self.tenant_quota}"
             )
+        if not 1024 <= self.max_message_bytes <= 256 << 20:
+            raise InvalidInput(f"max_message_bytes must be between 1024 and {256 << 20},"
+                               f" got {self.max_message_bytes}")
+        if self.pool_size is not None and not 2 <= self.pool_size <= 100:
+            raise InvalidInput(f"pool_size must be between 2 and 100, got {self.pool_size}")
         if self.aging_seconds is not None and not self.aging_seconds > 0:
             raise InvalidInput(f"aging_seconds must be > 0, got {self.aging_seconds}")
+
+    @property
+    def connections(self) -> int:
+        return self.pool_size or 3 + -(-self.concurrency // 4)
 
     @property
     def heartbeat_seconds(self) -> float:

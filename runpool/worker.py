@@ -20,10 +20,13 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .app import App, Run
+import checkpoints
+
+from .app import App
 from .claiming import ClaimedRun, claim
+from .context import Run
 from .db import dumps, open_pool
-from .errors import Fail, InvalidInput
+from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
 from .listener import Listener
 from .outcomes import Outcome, OutcomeWriter
 from .queries import QUERIES
@@ -81,7 +84,7 @@ class Worker:
     async def run(self, stop: asyncio.Event, abort: asyncio.Event) -> None:
         """Work until `stop` (drain: finish or release in-flight runs) or `abort` (release now)."""
         s = self.settings
-        self._pool = await open_pool(self.dsn, size=4, name=f"runpool-{os.getpid()}")
+        self._pool = await open_pool(self.dsn, size=s.connections, name=f"runpool-{os.getpid()}")
         side: list[asyncio.Task[None]] = []
         try:
             await self._register()
@@ -187,7 +190,8 @@ class Worker:
         return claimed
 
     def _start(self, c: ClaimedRun) -> None:
-        run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=c.input)
+        run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=c.input,
+                  pool=self._pool, max_message_bytes=self.settings.max_message_bytes)
         slot = _Slot(c, run, deadline=time.monotonic() + self.settings.lease_seconds,
                      extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
         self.slots[c.id] = slot
@@ -233,6 +237,8 @@ class Worker:
                 f"no handler named {c.handler!r} is registered on this worker"
                 f" (known: {', '.join(self.app.names) or 'none'})"))
         try:
+            if c.attempt > 1:
+                await self._resume(slot)
             if handler.is_async:
                 result = await handler.fn(run)
             else:
@@ -244,8 +250,19 @@ class Worker:
             if slot.stop_reason is None:
                 raise
             return None
+        except LeaseLost:
+            # The run is someone else's now; nothing of this attempt may be written.
+            self._abandon(slot, "a checkpoint write found the lease taken", cancel=False)
+            return None
         except Fail as exc:
             return Outcome(c.id, c.attempt, "failed", error=_error("failed", exc.reason))
+        except ToolOutcomeUnknown as exc:
+            # Retrying would meet the same unknown outcome: the handler had to handle it.
+            return Outcome(c.id, c.attempt, "failed", error=_error("tool_outcome_unknown",
+                                                                     str(exc)))
+        except InvalidInput as exc:
+            # Bad data from the handler fails the same way on every attempt: no retry storm.
+            return Outcome(c.id, c.attempt, "failed", error=_error("invalid_input", str(exc)))
         except Exception as exc:
             if handler.no_retry and isinstance(exc, handler.no_retry):
                 return Outcome(c.id, c.attempt, "failed",
@@ -265,6 +282,13 @@ class Worker:
             return Outcome(c.id, c.attempt, "failed", error=_error(
                 "result_not_serializable", f"the handler's result cannot be stored: {exc}"))
         return Outcome(c.id, c.attempt, "succeeded", result=data)
+
+    async def _resume(self, slot: _Slot) -> None:
+        """Restore what earlier attempts committed: resuming reads rows, it replays nothing."""
+        assert self._pool is not None
+        async with self._pool.connection() as conn:
+            messages, calls = await checkpoints.load(conn, slot.claimed.id)
+        slot.run._restore(messages, calls)
 
     def _cancelled_outcome(self, slot: _Slot) -> Outcome:
         return Outcome(slot.claimed.id, slot.claimed.attempt, "cancelled",
@@ -315,13 +339,17 @@ class Worker:
             if slot.deadline < now and slot.stop_reason is None and not slot.finishing:
                 self._abandon(slot, "the lease could not be renewed before it expired")
 
-    def _abandon(self, slot: _Slot, why: str) -> None:
+    def _abandon(self, slot: _Slot, why: str, *, cancel: bool = True) -> None:
         """Stop a run whose lease is (or may be) lost: every later write of it is fenced."""
+        if slot.stop_reason == "lease_lost":
+            return
         slot.stop_reason = "lease_lost"
+        slot.run._mark_lost()
         logger.warning("lease lost for run %s: %s", slot.claimed.id, why,
                        extra={"action": "lease_lost", **slot.extra})
         assert slot.task is not None
-        slot.task.cancel()
+        if cancel:
+            slot.task.cancel()
 
     # -- cancellation ------------------------------------------------------------------------
 

@@ -60,3 +60,62 @@ async def nul_result(run: runpool.Run) -> Any:
 @app.handler("timestamp")
 async def timestamp(run: runpool.Run) -> Any:
     return {"started": time.time()}
+
+
+# -- a scripted agent, for checkpoint and resume tests --------------------------------------
+# Side tables (created by the tests): model_calls(run_id, turn, attempt) counts what a real
+# model would have been paid for; tool_log(run_id, call_id, attempt, key) every execution.
+
+def _log(query: str, params: tuple[Any, ...]) -> None:
+    import psycopg
+
+    with psycopg.connect(os.environ["RUNPOOL_DSN"], autocommit=True) as conn:
+        conn.execute(query, params)
+
+
+def _lookup_tool(run: runpool.Run) -> Any:
+    def lookup(arguments: Any, key: str) -> Any:
+        _log("INSERT INTO tool_log VALUES (%s, %s, %s, %s)",
+             (str(run.id), f"c{arguments['i']}", run.attempt, key))
+        if run.attempt == 1 and arguments["i"] == run.input.get("crash_in_tool"):
+            os._exit(1)  # the side effect happened; the worker dies before committing
+        if arguments["i"] == run.input.get("raise_in_tool"):
+            raise LookupError(f"nothing found for {arguments['i']}")
+        if run.input.get("nul_in_result"):
+            return {"text": "a\x00b"}
+        return {"found": arguments["i"] * 10, **run.input.get("extra", {})}
+    return lookup
+
+
+@app.handler("agent")
+async def agent(run: runpool.Run) -> Any:
+    steps = int(run.input.get("steps", 3))
+    unsafe = bool(run.input.get("unsafe", False))
+    lookup = _lookup_tool(run)
+    for i in range(steps):
+        turns = [m for m in run.messages if m.role == "assistant"]
+        if len(turns) <= i:
+            # Only turns not yet committed call the (scripted) model.
+            await asyncio.to_thread(_log, "INSERT INTO model_calls VALUES (%s, %s, %s)",
+                                    (str(run.id), i, run.attempt))
+            await run.add_message("assistant", {"turn": i, "tool_call": f"c{i}"})
+        try:
+            await run.tool(f"c{i}", "lookup", {"i": i}, lookup, retry_interrupted=not unsafe)
+        except runpool.ToolOutcomeUnknown:
+            await run.add_message("user", {"note": f"c{i} may or may not have happened"})
+        if run.attempt == 1 and i == run.input.get("crash_after"):
+            os._exit(1)  # right after the checkpoint commit
+    return {"turns": steps, "messages": len(run.messages)}
+
+
+@app.handler("agent_sync")
+def agent_sync(run: runpool.Run) -> Any:
+    run.add_message_sync("assistant", {"turn": 0})
+    result = run.tool_sync("c0", "lookup", {"i": 0}, _lookup_tool(run))
+    return {"result": result}
+
+
+@app.handler("big_message")
+async def big_message(run: runpool.Run) -> Any:
+    await run.add_message("assistant", {"blob": "x" * 2_000_000})
+    return None

@@ -102,7 +102,7 @@ def test_claim__matches_the_reference_model(dsn: str, ops: list[tuple[Any, ...]]
 async def _check_model(dsn: str, ops: list[tuple[Any, ...]]) -> None:
     model = Model()
     async with await aconnect(dsn, autocommit=True) as c:
-        await c.execute("TRUNCATE runpool.runs, runpool.tenants, runpool.run_events")
+        await c.execute("TRUNCATE runpool.runs, runpool.tenants, runpool.run_events CASCADE")
         attempts: dict[uuid.UUID, int] = {}
         for op in ops:
             kind = op[0]

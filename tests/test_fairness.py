@@ -158,7 +158,7 @@ def _nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
 def _claim_plans(conn: psycopg.Connection, depth: int) -> list[dict[str, Any]]:
     """EXPLAIN ANALYZE of lock_tenants and claim_runs with `depth` runs queued for one tenant
     at quota and nine other tenants with one run each; every claim is rolled back."""
-    conn.execute("TRUNCATE runpool.runs, runpool.tenants")
+    conn.execute("TRUNCATE runpool.runs, runpool.tenants CASCADE")
     conn.execute("SELECT runpool.set_tenant_quota('flood', 5)")
     conn.execute(
         "INSERT INTO runpool.runs (tenant, handler, rank, max_attempts, status,"

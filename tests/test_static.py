@@ -9,8 +9,9 @@ from tests.helpers import ROOT
 
 
 def test_ruff__clean() -> None:
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "runpool", "tests"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "runpool", "checkpoints", "tests"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

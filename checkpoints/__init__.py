@@ -1,0 +1,24 @@
+"""Conversation and tool-call checkpoints of a run, written in the caller's transaction and
+fenced by the run's lease (its attempt number). This package never imports runpool."""
+
+from __future__ import annotations
+
+from .models import LeaseLost, Message, ToolCall
+from .store import (
+    append_message,
+    commit_tool_result,
+    load,
+    mark_tool_unknown,
+    record_tool_intent,
+)
+
+__all__ = [
+    "LeaseLost",
+    "Message",
+    "ToolCall",
+    "append_message",
+    "commit_tool_result",
+    "load",
+    "mark_tool_unknown",
+    "record_tool_intent",
+]

@@ -1,0 +1,43 @@
+"""What a run's history is made of: messages and tool calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+__all__ = ["LeaseLost", "Message", "ToolCall"]
+
+
+class LeaseLost(Exception):
+    """This attempt no longer holds the run's lease; its writes are rejected."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    seq: int
+    role: str
+    content: Any
+    attempt: int
+    call_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    call_id: str
+    name: str
+    arguments: Any
+    # started (intent only: interrupted if seen by a later attempt), succeeded, failed, unknown
+    status: str
+    result: Any
+    attempt: int
+    executions: int
+    started_at: datetime
+    finished_at: datetime | None
+
+    @property
+    def committed(self) -> bool:
+        return self.status in ("succeeded", "failed")

@@ -1,0 +1,233 @@
+"""Run: what a handler receives — the run's identity, its committed conversation, and the
+fenced ways to add to it (messages and checkpointed tool calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+import checkpoints
+from checkpoints import Message, ToolCall
+
+from .db import dumps
+from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
+
+__all__ = ["Run", "ToolFn"]
+
+ToolFn = Callable[[Any, str], Any] | Callable[[Any, str], Awaitable[Any]]
+T = TypeVar("T")
+
+
+def _raw(data: Any) -> Any:
+    return data
+
+
+class Run:
+    """One attempt of a run, as its handler sees it.
+
+    The worker owns this object: it sets the cancellation and lease-loss flags (from a NOTIFY,
+    a heartbeat or its lease clock); the handler reads them and calls the methods below.
+    """
+
+    def __init__(
+        self,
+        *,
+        id: uuid.UUID,
+        tenant: str,
+        handler: str,
+        attempt: int,
+        input: Any,
+        pool: AsyncConnectionPool | None = None,
+        max_message_bytes: int = 1 << 20,
+        messages: Sequence[Message] = (),
+        tool_calls: dict[str, ToolCall] | None = None,
+    ) -> None:
+        self.id = id
+        self.tenant = tenant
+        self.handler = handler
+        self.attempt = attempt
+        self.input = input
+        self._pool = pool
+        self._max_bytes = max_message_bytes
+        self._messages = list(messages)
+        self._calls = dict(tool_calls or {})
+        self._cancelled = asyncio.Event()
+        self._lost = False
+        # Writes of one run are serialised: the message sequence is max + 1 under the fence.
+        self._write_lock = asyncio.Lock()
+        self._loop = asyncio.get_running_loop()
+        # Test and tracing hooks: (event, call_id) for checkpoint hits and tool executions.
+        self.events: list[tuple[str, str]] = []
+
+    # -- state set by the worker -----------------------------------------------------------
+
+    @property
+    def cancelled(self) -> bool:
+        """True once a cancellation of this run reached the worker."""
+        return self._cancelled.is_set()
+
+    def _mark_cancelled(self) -> None:
+        self._cancelled.set()
+
+    def _mark_lost(self) -> None:
+        self._lost = True
+
+    def _restore(self, messages: Sequence[Message], calls: dict[str, ToolCall]) -> None:
+        self._messages = list(messages)
+        self._calls = dict(calls)
+
+    # -- the conversation ------------------------------------------------------------------
+
+    @property
+    def messages(self) -> list[Message]:
+        """The committed conversation, oldest first (restored on resume)."""
+        return list(self._messages)
+
+    @property
+    def tool_calls(self) -> dict[str, ToolCall]:
+        """Tool calls recorded so far (restored on resume), by call id."""
+        return dict(self._calls)
+
+    def _encode(self, value: Any, what: str) -> bytes:
+        data = dumps(value)  # InvalidInput: not JSON, NUL, lone surrogate, huge integer
+        if len(data) > self._max_bytes:
+            raise InvalidInput(f"{what} is {len(data)} bytes, over the limit of"
+                               f" {self._max_bytes} bytes (RUNPOOL_MAX_MESSAGE_BYTES)")
+        return data
+
+    def _writable(self) -> AsyncConnectionPool:
+        if self._lost:
+            raise LeaseLost(f"attempt {self.attempt} of run {self.id} lost its lease")
+        if self._pool is None:
+            raise RuntimeError("this Run is not attached to a database")
+        return self._pool
+
+    async def add_message(self, role: str, content: Any) -> Message:
+        """Commit one message to the conversation (fenced by the lease)."""
+        if not isinstance(role, str) or not 1 <= len(role) <= 64 or "\x00" in role:
+            raise InvalidInput("message role must be 1 to 64 characters, without NUL")
+        data = self._encode(content, "message content")
+        pool = self._writable()
+        async with self._write_lock, pool.connection() as conn:
+            try:
+                seq = await checkpoints.append_message(
+                    conn, self.id, self.attempt, role, Jsonb(data, _raw))
+            except LeaseLost:
+                self._lost = True
+                raise
+        message = Message(seq, role, content, self.attempt)
+        self._messages.append(message)
+        return message
+
+    # -- tool calls ------------------------------------------------------------------------
+
+    async def tool(self, call_id: str, name: str, arguments: Any, fn: ToolFn, *,
+                   retry_interrupted: bool = True) -> Any:
+        """Run a tool at most once per committed call_id and return its (committed) result.
+
+        - committed in an earlier attempt: its stored result is returned; fn is not called;
+        - never started: the intent is committed, fn(arguments, idempotency_key) runs, and its
+          result, the tool message and the checkpoint are committed in one transaction;
+        - started earlier but never committed (the worker died mid-call): fn runs again, or,
+          with retry_interrupted=False, ToolOutcomeUnknown is raised for the agent to handle;
+        - fn raising: {"error": {"type", "message"}} is committed as the result, so the model
+          sees the failure; so is a result that cannot be stored (not JSON, NUL characters, or
+          over RUNPOOL_MAX_MESSAGE_BYTES).
+        """
+        if not isinstance(call_id, str) or not 1 <= len(call_id) <= 200 or "\x00" in call_id:
+            raise InvalidInput("tool call_id must be 1 to 200 characters, without NUL")
+        if not isinstance(name, str) or not 1 <= len(name) <= 200 or "\x00" in name:
+            raise InvalidInput("tool name must be 1 to 200 characters, without NUL")
+        args = self._encode(arguments, "tool arguments")
+        prior = self._calls.get(call_id)
+        if prior is not None and prior.committed:
+            self.events.append(("checkpoint_hit", call_id))
+            return prior.result
+        if prior is not None and prior.status == "unknown":
+            raise ToolOutcomeUnknown(call_id)
+        if self.cancelled:
+            # A cancelled run starts no new tool calls (sync handlers reach here too).
+            raise asyncio.CancelledError(f"run {self.id} was cancelled")
+        pool = self._writable()
+        interrupted = prior is not None and prior.status == "started"
+        try:
+            if interrupted and not retry_interrupted:
+                async with self._write_lock, pool.connection() as conn:
+                    await checkpoints.mark_tool_unknown(
+                        conn, self.id, self.attempt, call_id, Jsonb({"outcome": "unknown"}))
+                self._remember(call_id, name, arguments, "unknown", {"outcome": "unknown"})
+                raise ToolOutcomeUnknown(call_id)
+            async with self._write_lock, pool.connection() as conn:
+                # Committed before the tool runs: a crash from here on leaves the evidence.
+                await checkpoints.record_tool_intent(
+                    conn, self.id, self.attempt, call_id, name, Jsonb(args, _raw))
+            self._remember(call_id, name, arguments, "started", None)
+            self.events.append(("tool_executed", call_id))
+            status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
+            try:
+                data = self._encode(result, "tool result")
+            except InvalidInput as exc:
+                status, result = "failed", {"error": {"type": "ResultRejected",
+                                                      "message": str(exc)}}
+                data = dumps(result)
+            async with self._write_lock, pool.connection() as conn:
+                seq = await checkpoints.commit_tool_result(
+                    conn, self.id, self.attempt, call_id, status=status,
+                    result=Jsonb(data, _raw), message_role="tool",
+                    message_content=Jsonb(data, _raw))
+        except LeaseLost:
+            self._lost = True
+            raise
+        self._remember(call_id, name, arguments, status, result)
+        self._messages.append(Message(seq, "tool", result, self.attempt, call_id))
+        return result
+
+    async def _execute(self, fn: ToolFn, arguments: Any, key: str) -> tuple[str, Any]:
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return "succeeded", await fn(arguments, key)
+            value = await asyncio.to_thread(fn, arguments, key)
+            if inspect.isawaitable(value):
+                value = await value
+            return "succeeded", value
+        except LeaseLost:
+            raise
+        except Exception as exc:
+            # The tool's failure is part of the conversation: the model sees it and adapts.
+            return "failed", {"error": {"type": type(exc).__name__, "message": str(exc)}}
+
+    def _remember(self, call_id: str, name: str, arguments: Any, status: str,
+                  result: Any) -> None:
+        """Mirror in memory what was just committed (so repeated calls in this attempt hit)."""
+        prior = self._calls.get(call_id)
+        executions = (prior.executions if prior else 0) + (status == "started")
+        now = datetime.now(UTC)
+        self._calls[call_id] = ToolCall(
+            call_id, name, arguments, status, result, self.attempt, max(executions, 1),
+            prior.started_at if prior and status != "started" else now,
+            None if status == "started" else now)
+
+    # -- for plain (threaded) handlers -----------------------------------------------------
+
+    def _sync(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+
+    def add_message_sync(self, role: str, content: Any) -> Message:
+        """add_message() for a plain `def` handler (which runs in a thread)."""
+        return self._sync(self.add_message(role, content))
+
+    def tool_sync(self, call_id: str, name: str, arguments: Any, fn: ToolFn, *,
+                  retry_interrupted: bool = True) -> Any:
+        """tool() for a plain `def` handler (which runs in a thread)."""
+        return self._sync(self.tool(call_id, name, arguments, fn,
+                                    retry_interrupted=retry_interrupted))
+
+    def __repr__(self) -> str:
+        return f"Run(id={self.id}, tenant={self.tenant!r}, attempt={self.attempt})"

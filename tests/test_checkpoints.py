@@ -1,0 +1,238 @@
+"""Checkpoints: tool results committed with their messages; resume instead of replay."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+import checkpoints
+import runpool
+from runpool.db import aconnect
+from tests.helpers import events, run_row, running_pool, scalar, wait_for
+
+SIDE_TABLES = """
+CREATE TABLE model_calls (run_id uuid, turn int, attempt int);
+CREATE TABLE tool_log (run_id uuid, call_id text, attempt int, key text)
+"""
+
+
+@pytest.fixture
+def side(conn: psycopg.Connection) -> psycopg.Connection:
+    conn.execute(SIDE_TABLES)
+    return conn
+
+
+def _done(conn: psycopg.Connection, run_id: uuid.UUID) -> bool:
+    return run_row(conn, run_id)["status"] in ("succeeded", "failed", "cancelled")
+
+
+def _executions(conn: psycopg.Connection, run_id: uuid.UUID) -> dict[str, int]:
+    return dict(conn.execute("SELECT call_id, count(*) FROM tool_log WHERE run_id = %s"
+                             " GROUP BY call_id", (run_id,)).fetchall())
+
+
+def _model_calls(conn: psycopg.Connection, run_id: uuid.UUID) -> int:
+    return int(scalar(conn, "SELECT count(*) FROM model_calls WHERE run_id = %s", run_id))
+
+
+def test_agent__messages_and_checkpoints_committed_linearly(side: psycopg.Connection,
+                                                           dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 4})
+    with running_pool(dsn):
+        wait_for(lambda: _done(side, run_id), what="agent run")
+    assert run_row(side, run_id)["result"] == {"turns": 4, "messages": 8}
+    rows = side.execute("SELECT seq, role, content, call_id FROM runpool.messages"
+                        " WHERE run_id = %s ORDER BY seq", (run_id,)).fetchall()
+    assert [r[0] for r in rows] == list(range(1, 9))
+    assert [r[1] for r in rows] == ["assistant", "tool"] * 4
+    # Each row holds one step, not the history so far: storage grows linearly.
+    assert rows[7][2] == {"found": 30} and rows[7][3] == "c3"
+    calls = side.execute("SELECT call_id, status, result, executions, attempt"
+                         " FROM runpool.tool_calls WHERE run_id = %s ORDER BY call_id",
+                         (run_id,)).fetchall()
+    assert calls == [(f"c{i}", "succeeded", {"found": i * 10}, 1, 1) for i in range(4)]
+    keys = {k for (k,) in side.execute("SELECT key FROM tool_log WHERE run_id = %s",
+                                       (run_id,))}
+    assert keys == {f"{run_id}:c{i}" for i in range(4)}
+
+
+def test_crash_right_after_a_commit__resumes_without_repeating_tools_or_model_turns(
+        side: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 5, "crash_after": 2})
+    with running_pool(dsn, lease_seconds=1.5):
+        wait_for(lambda: _done(side, run_id), timeout=30, what="resumed run")
+    row = run_row(side, run_id)
+    assert (row["status"], row["attempt"]) == ("succeeded", 2)
+    assert _executions(side, run_id) == {f"c{i}": 1 for i in range(5)}
+    assert _model_calls(side, run_id) == 5
+    assert row["result"] == {"turns": 5, "messages": 10}
+    assert events(side, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+
+
+def test_crash_mid_tool_call__retried_when_the_tool_allows_it(side: psycopg.Connection,
+                                                             dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 4, "crash_in_tool": 2})
+    with running_pool(dsn, lease_seconds=1.5):
+        wait_for(lambda: _done(side, run_id), timeout=30, what="resumed run")
+    assert run_row(side, run_id)["status"] == "succeeded"
+    assert _executions(side, run_id) == {"c0": 1, "c1": 1, "c2": 2, "c3": 1}
+    assert scalar(side, "SELECT executions FROM runpool.tool_calls WHERE run_id = %s"
+                  " AND call_id = 'c2'", run_id) == 2
+    assert _model_calls(side, run_id) == 4
+
+
+def test_crash_mid_unsafe_tool_call__agent_told_outcome_unknown_never_a_duplicate(
+        side: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "agent",
+                             {"steps": 4, "crash_in_tool": 2, "unsafe": True})
+    with running_pool(dsn, lease_seconds=1.5):
+        wait_for(lambda: _done(side, run_id), timeout=30, what="resumed run")
+    assert run_row(side, run_id)["status"] == "succeeded"
+    assert _executions(side, run_id) == {"c0": 1, "c1": 1, "c2": 1, "c3": 1}
+    status = side.execute("SELECT call_id, status FROM runpool.tool_calls WHERE run_id = %s"
+                          " ORDER BY call_id", (run_id,)).fetchall()
+    assert status == [("c0", "succeeded"), ("c1", "succeeded"), ("c2", "unknown"),
+                      ("c3", "succeeded")]
+    notes = [c for (c,) in side.execute("SELECT content FROM runpool.messages"
+                                        " WHERE run_id = %s AND role = 'user'", (run_id,))]
+    assert notes == [{"note": "c2 may or may not have happened"}]
+
+
+def test_tool_raising__error_is_the_committed_result_and_never_rerun(
+        side: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "agent",
+                             {"steps": 3, "raise_in_tool": 1, "crash_after": 2})
+    with running_pool(dsn, lease_seconds=1.5):
+        wait_for(lambda: _done(side, run_id), timeout=30, what="run")
+    assert run_row(side, run_id)["status"] == "succeeded"
+    result = scalar(side, "SELECT result FROM runpool.tool_calls WHERE run_id = %s"
+                    " AND call_id = 'c1'", run_id)
+    assert result == {"error": {"type": "LookupError", "message": "nothing found for 1"}}
+    assert _executions(side, run_id) == {"c0": 1, "c1": 1, "c2": 1}
+
+
+def test_tool_result_too_big_or_with_nul__committed_as_an_error_the_model_sees(
+        side: psycopg.Connection, dsn: str) -> None:
+    big = runpool.enqueue(side, "acme", "agent", {"steps": 1, "extra": {"b": "x" * 5000}})
+    nul = runpool.enqueue(side, "acme", "agent", {"steps": 1, "nul_in_result": True})
+    with running_pool(dsn, max_message_bytes=4096):
+        wait_for(lambda: _done(side, big) and _done(side, nul), what="runs")
+    for run_id, why in ((big, "over the limit of 4096 bytes"), (nul, "NUL character")):
+        result = scalar(side, "SELECT result FROM runpool.tool_calls WHERE run_id = %s", run_id)
+        assert result["error"]["type"] == "ResultRejected"
+        assert why in result["error"]["message"]
+        # The model saw the error as the tool's message, and the run went on to finish.
+        assert scalar(side, "SELECT content FROM runpool.messages WHERE run_id = %s"
+                      " AND role = 'tool'", run_id) == result
+        assert run_row(side, run_id)["status"] == "succeeded"
+
+
+def test_oversized_message__fails_the_run_once_without_retries(side: psycopg.Connection,
+                                                               dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "big_message", max_attempts=5)
+    with running_pool(dsn):
+        wait_for(lambda: _done(side, run_id), what="run")
+    row = run_row(side, run_id)
+    assert (row["status"], row["attempt"], row["error"]["reason"]) == (
+        "failed", 1, "invalid_input")
+    assert "over the limit" in row["error"]["message"]
+
+
+def test_sync_handler__uses_the_same_checkpoints(side: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "agent_sync")
+    with running_pool(dsn):
+        wait_for(lambda: _done(side, run_id), what="run")
+    assert run_row(side, run_id)["result"] == {"result": {"found": 0}}
+    assert scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s", run_id) == 2
+
+
+# -- the store itself -----------------------------------------------------------------------
+
+def _running(conn: psycopg.Connection, attempt: int = 1) -> uuid.UUID:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = %s,"
+                 " lease_expires_at = now() + interval '1 minute' WHERE id = %s",
+                 (attempt, run_id))
+    return run_id
+
+
+def test_store__a_fenced_attempt_writes_nothing(conn: psycopg.Connection, dsn: str) -> None:
+    run_id = _running(conn)
+
+    async def main() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            await checkpoints.record_tool_intent(c, run_id, 1, "c0", "t", Jsonb({}))
+            await checkpoints.append_message(c, run_id, 1, "assistant", Jsonb("hi"))
+            # Reclaimed: attempt 2 holds the run now. Attempt 1 is a zombie.
+            await c.execute("UPDATE runpool.runs SET attempt = 2 WHERE id = %s", (run_id,))
+            with pytest.raises(runpool.LeaseLost):
+                await checkpoints.append_message(c, run_id, 1, "assistant", Jsonb("late"))
+            with pytest.raises(runpool.LeaseLost):
+                await checkpoints.commit_tool_result(
+                    c, run_id, 1, "c0", status="succeeded", result=Jsonb(1),
+                    message_role="tool", message_content=Jsonb(1))
+            await checkpoints.append_message(c, run_id, 2, "assistant", Jsonb("new"))
+
+    asyncio.run(main())
+    assert conn.execute("SELECT seq, content, attempt FROM runpool.messages ORDER BY seq"
+                        ).fetchall() == [(1, "hi", 1), (2, "new", 2)]
+    assert conn.execute("SELECT status, result FROM runpool.tool_calls").fetchall() == [
+        ("started", None)]
+
+
+def test_store__result_message_and_checkpoint_commit_together(conn: psycopg.Connection,
+                                                              dsn: str) -> None:
+    run_id = _running(conn)
+
+    async def main() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            await checkpoints.record_tool_intent(c, run_id, 1, "c0", "t", Jsonb({}))
+            # The message insert fails (role too long): the result must not land either.
+            with pytest.raises(psycopg.errors.CheckViolation):
+                await checkpoints.commit_tool_result(
+                    c, run_id, 1, "c0", status="succeeded", result=Jsonb(1),
+                    message_role="x" * 65, message_content=Jsonb(1))
+
+    asyncio.run(main())
+    assert conn.execute("SELECT status, result FROM runpool.tool_calls").fetchall() == [
+        ("started", None)]
+    assert scalar(conn, "SELECT count(*) FROM runpool.messages") == 0
+
+
+def test_store__joins_the_callers_transaction(conn: psycopg.Connection, dsn: str) -> None:
+    run_id = _running(conn)
+
+    async def main() -> Any:
+        async with await aconnect(dsn) as c:  # not autocommit: the caller's transaction
+            await checkpoints.append_message(c, run_id, 1, "assistant", Jsonb("maybe"))
+            await c.rollback()
+            await checkpoints.append_message(c, run_id, 1, "assistant", Jsonb("kept"))
+            await c.commit()
+
+    asyncio.run(main())
+    assert [c for (c,) in conn.execute("SELECT content FROM runpool.messages")] == ["kept"]
+
+
+def test_store__load_returns_what_was_committed(conn: psycopg.Connection, dsn: str) -> None:
+    run_id = _running(conn)
+
+    async def main() -> Any:
+        async with await aconnect(dsn, autocommit=True) as c:
+            await checkpoints.append_message(c, run_id, 1, "assistant", Jsonb({"t": 0}))
+            await checkpoints.record_tool_intent(c, run_id, 1, "c0", "t", Jsonb({"a": 1}))
+            await checkpoints.commit_tool_result(
+                c, run_id, 1, "c0", status="succeeded", result=Jsonb({"r": 1}),
+                message_role="tool", message_content=Jsonb({"r": 1}))
+            await checkpoints.record_tool_intent(c, run_id, 1, "c1", "t", Jsonb({"a": 2}))
+            return await checkpoints.load(c, run_id)
+
+    messages, calls = asyncio.run(main())
+    assert [(m.seq, m.role, m.content, m.call_id) for m in messages] == [
+        (1, "assistant", {"t": 0}, None), (2, "tool", {"r": 1}, "c0")]
+    assert calls["c0"].committed and calls["c0"].result == {"r": 1}
+    assert calls["c1"].status == "started" and not calls["c1"].committed
