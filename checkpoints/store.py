@@ -1,20 +1,19 @@
 """Reads and fenced writes of messages and tool calls.
 
-Every write takes the caller's connection and runs in the caller's transaction (opening one
-when the connection has none), and first locks the run row *if and only if* the given attempt
-still holds it: a reclaim (which must update that row) waits until the write commits, and a
-write from an attempt that lost the lease finds no row and raises LeaseLost, so it adds nothing.
+Each write is one statement that first locks the run row *if and only if* the given attempt
+still holds it (status running, same attempt) and writes nothing otherwise. A single
+statement is atomic in any transaction mode: on its own (autocommit) it is one round trip;
+inside the caller's transaction it commits or rolls back with the caller's other writes. The
+lock makes a reclaim (which must update the run row) wait until the write commits; a write of
+an attempt that lost the lease finds no row, adds nothing and raises LeaseLost.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any, Final
 
 import psycopg
-from psycopg import pq
 from psycopg.rows import class_row
 
 from .models import LeaseLost, Message, ToolCall
@@ -27,11 +26,10 @@ __all__ = [
     "record_tool_intent",
 ]
 
-# The fence: lock the run row while this attempt holds it, or return nothing.
-FENCE: Final = """
+# Does this attempt still hold the run? (Only asked to explain a write that wrote nothing.)
+HOLDS: Final = """
 SELECT 1 FROM runpool.runs
 WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
-FOR SHARE
 """
 # A run's conversation, oldest first.
 LOAD_MESSAGES: Final = """
@@ -43,45 +41,76 @@ LOAD_TOOL_CALLS: Final = """
 SELECT call_id, name, arguments, status, result, attempt, executions, started_at, finished_at
 FROM runpool.tool_calls WHERE run_id = %(run_id)s ORDER BY started_at, call_id
 """
-# Append one message at the next sequence number of the run.
+# Append one message at the next sequence number, if the attempt holds the run.
 INSERT_MESSAGE: Final = """
+WITH fence AS (
+    SELECT id FROM runpool.runs
+    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
+    FOR SHARE
+)
 INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id)
-SELECT %(run_id)s, coalesce(max(seq), 0) + 1, %(role)s, %(content)s, %(attempt)s, %(call_id)s
-FROM runpool.messages WHERE run_id = %(run_id)s
+SELECT fence.id,
+       coalesce((SELECT max(seq) FROM runpool.messages WHERE run_id = %(run_id)s), 0) + 1,
+       %(role)s, %(content)s, %(attempt)s, NULL
+FROM fence
 RETURNING seq
 """
-# Record that a tool is about to run; a call interrupted in an earlier attempt is taken over.
+# Record that a tool is about to run (a call interrupted in an earlier attempt is taken over),
+# if the attempt holds the run; nothing for a call already finished.
 INSERT_INTENT: Final = """
+WITH fence AS (
+    SELECT id FROM runpool.runs
+    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
+    FOR SHARE
+)
 INSERT INTO runpool.tool_calls AS t (run_id, call_id, name, arguments, status, attempt)
-VALUES (%(run_id)s, %(call_id)s, %(name)s, %(arguments)s, 'started', %(attempt)s)
+SELECT fence.id, %(call_id)s, %(name)s, %(arguments)s, 'started', %(attempt)s FROM fence
 ON CONFLICT (run_id, call_id) DO UPDATE
     SET attempt = excluded.attempt, started_at = now(), executions = t.executions + 1
     WHERE t.status = 'started'
 RETURNING executions
 """
-# Commit a started call's outcome (only once: a committed call is never overwritten).
+# Commit a started call's outcome and its tool message together, if the attempt holds the run;
+# a call is finished once (a committed call is never overwritten).
 FINISH_CALL: Final = """
-UPDATE runpool.tool_calls SET status = %(status)s, result = %(result)s, finished_at = now()
-WHERE run_id = %(run_id)s AND call_id = %(call_id)s AND status = 'started'
+WITH fence AS (
+    SELECT id FROM runpool.runs
+    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
+    FOR SHARE
+),
+finished AS (
+    UPDATE runpool.tool_calls SET status = %(status)s, result = %(result)s, finished_at = now()
+    WHERE run_id = (SELECT id FROM fence) AND call_id = %(call_id)s AND status = 'started'
+    RETURNING run_id
+)
+INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id)
+SELECT finished.run_id,
+       coalesce((SELECT max(seq) FROM runpool.messages WHERE run_id = %(run_id)s), 0) + 1,
+       %(role)s, %(content)s, %(attempt)s, %(call_id)s
+FROM finished
+RETURNING seq
+"""
+# Close an interrupted call whose outcome is unknown (no message: the agent decides what to
+# tell the model), if the attempt holds the run.
+MARK_UNKNOWN: Final = """
+WITH fence AS (
+    SELECT id FROM runpool.runs
+    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
+    FOR SHARE
+)
+UPDATE runpool.tool_calls SET status = 'unknown', result = %(result)s, finished_at = now()
+WHERE run_id = (SELECT id FROM fence) AND call_id = %(call_id)s AND status = 'started'
+RETURNING 1
 """
 
 
-@asynccontextmanager
-async def _in_callers_transaction(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
-    """Atomic, inside whatever transaction the caller has: a savepoint in an open one (so a
-    refusal leaves it usable), the implicit transaction the caller will commit on an idle
-    non-autocommit connection, and a transaction of its own in autocommit mode."""
-    if conn.autocommit or conn.info.transaction_status == pq.TransactionStatus.INTRANS:
-        async with conn.transaction():
-            yield
-    else:
-        yield
-
-
-async def _fenced(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int) -> None:
-    cur = await conn.execute(FENCE, {"run_id": run_id, "attempt": attempt})
+async def _nothing_written(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
+                           attempt: int, what: str) -> Exception:
+    """Why a fenced write wrote nothing: the lease, or the call's state."""
+    cur = await conn.execute(HOLDS, {"run_id": run_id, "attempt": attempt})
     if await cur.fetchone() is None:
-        raise LeaseLost(f"attempt {attempt} of run {run_id} no longer holds its lease")
+        return LeaseLost(f"attempt {attempt} of run {run_id} no longer holds its lease")
+    return LookupError(what)
 
 
 async def load(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID
@@ -98,56 +127,50 @@ async def load(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID
 
 
 async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
-                         role: str, content: Any, *, call_id: str | None = None) -> int:
+                         role: str, content: Any) -> int:
     """Append a message (content: a psycopg Jsonb or any adaptable value); returns its seq."""
-    async with _in_callers_transaction(conn):
-        await _fenced(conn, run_id, attempt)
-        cur = await conn.execute(INSERT_MESSAGE, {
-            "run_id": run_id, "role": role, "content": content, "attempt": attempt,
-            "call_id": call_id})
-        row = await cur.fetchone()
-    assert row is not None
+    cur = await conn.execute(INSERT_MESSAGE, {
+        "run_id": run_id, "attempt": attempt, "role": role, "content": content})
+    row = await cur.fetchone()
+    if row is None:
+        raise await _nothing_written(conn, run_id, attempt, "no message written")
     return int(row[0])
 
 
 async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                              attempt: int, call_id: str, name: str, arguments: Any) -> int:
-    """Record (and commit, if the caller has no transaction) that a tool call is starting;
-    returns how many times it has been started. Raises LookupError if it was committed."""
-    async with _in_callers_transaction(conn):
-        await _fenced(conn, run_id, attempt)
-        cur = await conn.execute(INSERT_INTENT, {
-            "run_id": run_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "attempt": attempt})
-        row = await cur.fetchone()
+    """Record that a tool call is starting; returns how many times it has been started.
+    Raises LookupError if the call was already finished."""
+    cur = await conn.execute(INSERT_INTENT, {
+        "run_id": run_id, "attempt": attempt, "call_id": call_id, "name": name,
+        "arguments": arguments})
+    row = await cur.fetchone()
     if row is None:
-        raise LookupError(f"tool call {call_id!r} of run {run_id} is already finished")
+        raise await _nothing_written(
+            conn, run_id, attempt, f"tool call {call_id!r} of run {run_id} is already finished")
     return int(row[0])
 
 
 async def commit_tool_result(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                              attempt: int, call_id: str, *, status: str, result: Any,
                              message_role: str, message_content: Any) -> int:
-    """Commit a tool's outcome, its tool message and the checkpoint in one transaction;
-    returns the message's seq."""
-    async with _in_callers_transaction(conn):
-        await _fenced(conn, run_id, attempt)
-        cur = await conn.execute(FINISH_CALL, {
-            "run_id": run_id, "call_id": call_id, "status": status, "result": result})
-        if cur.rowcount != 1:
-            raise LookupError(f"tool call {call_id!r} of run {run_id} is not in progress")
-        cur = await conn.execute(INSERT_MESSAGE, {
-            "run_id": run_id, "role": message_role, "content": message_content,
-            "attempt": attempt, "call_id": call_id})
-        row = await cur.fetchone()
-    assert row is not None
+    """Commit a tool's outcome (the checkpoint) and its tool message atomically; returns the
+    message's seq."""
+    cur = await conn.execute(FINISH_CALL, {
+        "run_id": run_id, "attempt": attempt, "call_id": call_id, "status": status,
+        "result": result, "role": message_role, "content": message_content})
+    row = await cur.fetchone()
+    if row is None:
+        raise await _nothing_written(
+            conn, run_id, attempt, f"tool call {call_id!r} of run {run_id} is not in progress")
     return int(row[0])
 
 
 async def mark_tool_unknown(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                             attempt: int, call_id: str, result: Any) -> None:
     """Close an interrupted call whose tool may not be retried: its outcome is unknown."""
-    async with _in_callers_transaction(conn):
-        await _fenced(conn, run_id, attempt)
-        await conn.execute(FINISH_CALL, {
-            "run_id": run_id, "call_id": call_id, "status": "unknown", "result": result})
+    cur = await conn.execute(MARK_UNKNOWN, {
+        "run_id": run_id, "attempt": attempt, "call_id": call_id, "result": result})
+    if await cur.fetchone() is None:
+        raise await _nothing_written(
+            conn, run_id, attempt, f"tool call {call_id!r} of run {run_id} is not in progress")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 import uuid
@@ -48,6 +49,30 @@ async def stamp(run: Run) -> Any:
 async def sleep(run: Run) -> Any:
     await asyncio.sleep(float(run.input["seconds"]))
     return None
+
+
+async def _noop_tool(arguments: Any, key: str) -> Any:
+    return {"ok": arguments["i"]}
+
+
+@app.handler("tool_loop")
+async def tool_loop(run: Run) -> Any:
+    """W7/W8: `calls` no-op tool calls. Returns each call's overhead (ms); with `crash`, the
+    first attempt dies after its calls, and the second reports how long resume took."""
+    calls = int(run.input["calls"])
+    began = time.time()
+    overheads = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        await run.tool(f"c{i}", "noop", {"i": i}, _noop_tool)
+        overheads.append((time.perf_counter() - t0) * 1000)
+    if run.input.get("crash") and run.attempt == 1:
+        os._exit(1)
+    if run.attempt > 1:
+        # Every call above was a checkpoint hit; this is the first new one.
+        await run.tool("new", "noop", {"i": -1}, _noop_tool)
+        return {"handler_started": began, "first_new_call": time.time()}
+    return {"overheads_ms": overheads}
 
 
 # Server-wide transaction counter of one database (read from another database, so the
@@ -249,6 +274,53 @@ def w6_claim_depth(server: str, *, claims: int = 300) -> dict[str, Any]:
     return out
 
 
+def w7_checkpoint_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
+    """W7: one run making `calls` no-op tool calls; checkpoint overhead per call."""
+    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "bench", "tool_loop", {"calls": calls})
+        with pool_process(dsn, "runpool.bench:app", workers=1, concurrency=1):
+            _wait(conn, COUNT_DONE, 1, timeout=600)
+        row = conn.execute("SELECT result FROM runpool.runs WHERE id = %s", (run_id,)).fetchone()
+    assert row is not None
+    overheads = row[0]["overheads_ms"]
+    return {"workload": "W7", "calls": calls, "p50_ms": round(_pct(overheads, 50), 3),
+            "p99_ms": round(_pct(overheads, 99), 3)}
+
+
+# Bytes one run's checkpoints take: its messages and tool calls, row by row.
+RUN_BYTES: Final = """
+SELECT (SELECT coalesce(sum(pg_column_size(m.*)), 0) FROM runpool.messages m
+        WHERE m.run_id = %(id)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM runpool.tool_calls t
+        WHERE t.run_id = %(id)s)
+"""
+
+
+def w8_resume_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
+    """W8: a run with `calls` committed calls is reclaimed; time from its claim to the first
+    new tool call, and checkpoint bytes per call at 10 and `calls` calls."""
+    out: dict[str, Any] = {"workload": "W8", "calls": calls}
+    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
+        small = enqueue(conn, "bench", "tool_loop", {"calls": 10})
+        big = enqueue(conn, "bench", "tool_loop", {"calls": calls, "crash": True})
+        with pool_process(dsn, "runpool.bench:app", workers=1, concurrency=2,
+                          lease_seconds=2):
+            _wait(conn, COUNT_DONE, 2, timeout=600)
+        row = conn.execute(
+            "SELECT result, extract(epoch FROM started_at) FROM runpool.runs WHERE id = %s",
+            (big,)).fetchone()
+        assert row is not None
+        result, claimed = row
+        out["resume_ms"] = round((result["first_new_call"] - float(claimed)) * 1000, 2)
+        out["handler_start_to_first_new_call_ms"] = round(
+            (result["first_new_call"] - result["handler_started"]) * 1000, 2)
+        for label, run_id, n in (("10", small, 10), (str(calls), big, calls + 1)):
+            size = conn.execute(RUN_BYTES, {"id": run_id}).fetchone()
+            assert size is not None
+            out[f"bytes_per_call_at_{label}"] = round(int(size[0]) / n, 1)
+    return out
+
+
 WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W1": w1_throughput,
     "W1q": lambda server: w1_throughput(server, quotas=True),
@@ -256,6 +328,8 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W3": w3_idle,
     "W5": w5_fairness,
     "W6": w6_claim_depth,
+    "W7": w7_checkpoint_cost,
+    "W8": w8_resume_cost,
 }
 
 
