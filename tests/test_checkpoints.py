@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 from typing import Any
 
@@ -236,3 +238,78 @@ def test_store__load_returns_what_was_committed(conn: psycopg.Connection, dsn: s
         (1, "assistant", {"t": 0}, None), (2, "tool", {"r": 1}, "c0")]
     assert calls["c0"].committed and calls["c0"].result == {"r": 1}
     assert calls["c1"].status == "started" and not calls["c1"].committed
+
+
+def test_zombie__a_stopped_worker_resumed_after_a_reclaim_writes_nothing(
+        side: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 12, "tool_seconds": 0.2})
+    with running_pool(dsn, lease_seconds=1.2) as first:
+        wait_for(lambda: scalar(side, "SELECT count(*) FROM runpool.messages"
+                                " WHERE run_id = %s", run_id) >= 2, what="progress")
+        pid = scalar(side, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
+                     " ON r.worker_id = w.id WHERE r.id = %s", run_id)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with running_pool(dsn, lease_seconds=1.2):
+                # Another worker reclaims the run and makes progress with attempt 2.
+                wait_for(lambda: scalar(side, "SELECT count(*) FROM runpool.messages"
+                                        " WHERE run_id = %s AND attempt = 2", run_id) >= 2,
+                         timeout=30, what="attempt 2 progress")
+                os.kill(pid, signal.SIGCONT)
+                wait_for(lambda: "action=lease_lost" in first.log(), what="zombie notices")
+                wait_for(lambda: _done(side, run_id), timeout=30, what="run finished")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert run_row(side, run_id)["status"] == "succeeded"
+    reclaimed_at = scalar(side, "SELECT at FROM runpool.run_events WHERE run_id = %s"
+                          " AND kind = 'reclaimed'", run_id)
+    late = scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
+                  " AND attempt = 1 AND created_at >= %s", run_id, reclaimed_at)
+    assert late == 0
+    # Every committed call ran once; only the call in flight at the stop may have run twice.
+    executions = _executions(side, run_id)
+    assert sorted(executions) == sorted(f"c{i}" for i in range(12))
+    assert sum(n - 1 for n in executions.values()) <= 1
+
+
+def test_connections_killed_during_checkpoint_commits__each_call_committed_once(
+        side: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 30}, max_attempts=50)
+
+    def progress() -> int:
+        return int(scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s",
+                          run_id))
+
+    kills = 0
+    with running_pool(dsn, retry_backoff_seconds=0.02):
+        seen = 0
+        # Each time the run commits a step, terminate one of the worker's pool connections:
+        # the next checkpoint write (or the one in flight) loses its connection.
+        for _ in range(8):
+            seen = wait_for(lambda seen=seen: (p := progress()) > seen and p, timeout=30,
+                            what="progress")
+            backends = live_pool_backends(side)
+            if backends:
+                kills += scalar(side, "SELECT pg_terminate_backend(%s)", backends[0])
+        wait_for(lambda: _done(side, run_id), timeout=60, what="run finished")
+    assert kills > 0
+    row = run_row(side, run_id)
+    # The kills hurt (attempts failed on a dead connection) and the run still finished.
+    assert row["status"] == "succeeded" and row["attempt"] > 1
+    # Never both committed and not: one tool message per finished call, none for others.
+    rows = side.execute(
+        "SELECT t.call_id, t.status, count(m.seq) FROM runpool.tool_calls t"
+        " LEFT JOIN runpool.messages m ON m.run_id = t.run_id AND m.call_id = t.call_id"
+        " WHERE t.run_id = %s GROUP BY t.call_id, t.status", (run_id,)).fetchall()
+    assert sorted(c for c, _, _ in rows) == sorted(f"c{i}" for i in range(30))
+    assert all(status == "succeeded" and messages == 1 for _, status, messages in rows)
+    assert scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
+                  " AND role = 'assistant'", run_id) == 30
+
+
+def live_pool_backends(conn: psycopg.Connection) -> list[int]:
+    """The workers' pool connections (not the LISTEN one, not ours)."""
+    return [p for (p,) in conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND query NOT LIKE 'LISTEN%%'"
+        " AND backend_type = 'client backend'")]
