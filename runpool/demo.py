@@ -1,13 +1,19 @@
-"""`python -m runpool demo`: a sample agent app on a real pool, across tenants and priorities."""
+"""`python -m runpool demo`: the sample agent on a real pool, across tenants and priorities —
+with a worker killed mid-run (the run resumes from its checkpoints) and a run cancelled."""
 
 from __future__ import annotations
 
-import asyncio
+import os
 import random
+import signal
 import sys
 import time
+import uuid
 from typing import Any, Final
 
+import psycopg
+
+from . import sample_agent
 from .app import App
 from .context import Run
 from .db import connect
@@ -17,24 +23,13 @@ from .errors import Fail
 from .migrate import migrate
 from .pool_process import pool_process
 from .settings import Settings
-from .status import STATUSES, collect
+from .status import STATUSES
 
 __all__ = ["app", "run_demo"]
 
+# The sample agent plus one plain (threaded) handler.
 app = App()
-
-
-@app.handler("research")
-async def research(run: Run) -> Any:
-    """A pretend agent: a few model turns with a tool call each."""
-    topic = run.input.get("topic", "something")
-    notes = []
-    for turn in range(int(run.input.get("turns", 3))):
-        await asyncio.sleep(random.uniform(0.05, 0.25))  # the model thinking
-        if run.input.get("flaky") and run.attempt == 1 and turn == 1:
-            raise ConnectionError("model provider timed out (the demo's scripted failure)")
-        notes.append(f"turn {turn}: looked up {topic!r}")
-    return {"topic": topic, "notes": notes, "attempt": run.attempt}
+app.handler("research")(sample_agent.research)
 
 
 @app.handler("summarize")
@@ -49,6 +44,19 @@ def summarize(run: Run) -> Any:
 
 TENANTS: Final = {"acme": 3, "globex": 2, "initech": None}  # quota; None: pool default
 
+# This demo's runs by tenant and status (earlier demos' runs stay in the same database).
+PROGRESS: Final = """
+SELECT tenant, status, count(*) FROM runpool.runs WHERE id = ANY(%s)
+GROUP BY tenant, status ORDER BY tenant
+"""
+# A running agent run and the pid of the worker holding it.
+HOLDER: Final = """
+SELECT r.id, w.pid FROM runpool.runs r JOIN runpool.workers w ON w.id = r.worker_id
+WHERE r.id = ANY(%s) AND r.status = 'running' AND r.handler = 'research'
+  AND (SELECT count(*) FROM runpool.tool_calls t WHERE t.run_id = r.id) >= 1
+ORDER BY r.started_at LIMIT 1
+"""
+
 
 def _specs(count: int) -> list[RunSpec]:
     specs = []
@@ -62,43 +70,108 @@ def _specs(count: int) -> list[RunSpec]:
             specs.append(RunSpec(tenant, "summarize", {"text": f"report number {i} " * 5}))
         else:
             specs.append(RunSpec(tenant, "research",
-                                 {"topic": f"topic {i}", "turns": 2 + i % 3, "flaky": i % 7 == 3},
+                                 {"topic": f"topic {i}", "searches": 2 + i % 3,
+                                  "think_seconds": 0.15, "tool_seconds": 0.15},
                                  priority=(i * 7) % 11 - 5))
     return specs
+
+
+def _say(text: str) -> None:
+    print(f"\n>>> {text}", flush=True)
 
 
 def run_demo(settings: Settings, *, runs: int = 36) -> int:
     dsn = resolve_dsn(settings)
     with connect(dsn, autocommit=True) as conn:
         migrate(conn)
+        sample_agent.prepare(conn)
         for tenant, quota in TENANTS.items():
             conn.execute("SELECT runpool.set_tenant_quota(%s, %s)", (tenant, quota))
         ids = enqueue_many(conn, _specs(runs))
         print(f"enqueued {len(ids)} runs for tenants {', '.join(TENANTS)}"
-              f" (quotas: acme 3, globex 2, initech unlimited)\n")
+              " (quotas: acme 3, globex 2, initech unlimited)")
+        killed: tuple[uuid.UUID, int] | None = None
+        cancelled: uuid.UUID | None = None
         with pool_process(dsn, "runpool.demo:app", workers=2, concurrency=4,
-                          retry_backoff_seconds=0.3, poll_seconds=1):
-            deadline = time.monotonic() + 120
+                          retry_backoff_seconds=0.3, poll_seconds=1, lease_seconds=3):
+            deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
-                report = collect(conn)
-                line = "  ".join(f"{s} {report['totals'][s]:>3}" for s in STATUSES)
-                # In place on a terminal; one line per update in a log.
+                tenants = _progress(conn, ids)
+                totals = {s: sum(t[s] for t in tenants.values()) for s in STATUSES}
+                line = "  ".join(f"{s} {totals[s]:>3}" for s in STATUSES)
                 print(f"\r{line}" if sys.stdout.isatty() else line,
                       end="" if sys.stdout.isatty() else "\n", flush=True)
-                if report["totals"]["queued"] + report["totals"]["running"] == 0:
+                if killed is None:
+                    killed = _kill_a_worker(conn, ids)
+                elif cancelled is None:
+                    cancelled = _cancel_a_run(conn, ids)
+                if totals["queued"] + totals["running"] == 0:
                     break
                 time.sleep(0.5)
-            print("\n")
-        for tenant, counts in collect(conn)["tenants"].items():
-            print(f"  {tenant:<10} " + "  ".join(f"{s} {counts[s]}" for s in STATUSES))
-        failed = conn.execute(
-            "SELECT id, handler, error->>'reason' FROM runpool.runs WHERE status = 'failed'"
-            " ORDER BY handler").fetchall()
-        if failed:
-            print(f"\n{len(failed)} failed runs (the dead-letter list;"
-                  " `python -m runpool retry RUN_ID` replays one):")
-            for run_id, handler, reason in failed:
-                print(f"  {run_id}  {handler:<10} {reason}")
-    print("\nthe pool drained and stopped; runs stay in the database for inspection.",
-          file=sys.stderr)
+            print()
+        _summary(conn, ids, killed, cancelled)
+    print("\nthe pool drained and stopped; runs stay in the database for inspection"
+          " (python -m runpool status, python -m runpool explain RUN_ID).", file=sys.stderr)
     return 0
+
+
+def _progress(conn: psycopg.Connection[Any], ids: list[uuid.UUID]) -> dict[str, dict[str, int]]:
+    tenants: dict[str, dict[str, int]] = {}
+    for tenant, status, count in conn.execute(PROGRESS, (ids,)):
+        tenants.setdefault(tenant, dict.fromkeys(STATUSES, 0))[status] = count
+    return tenants
+
+
+def _kill_a_worker(conn: psycopg.Connection[Any], ids: list[uuid.UUID]
+                   ) -> tuple[uuid.UUID, int] | None:
+    row = conn.execute(HOLDER, (ids,)).fetchone()
+    if row is None:
+        return None
+    run_id, pid = row
+    _say(f"SIGKILL worker pid {pid} while it runs agent run {run_id}")
+    os.kill(pid, signal.SIGKILL)
+    return run_id, pid
+
+
+def _cancel_a_run(conn: psycopg.Connection[Any], ids: list[uuid.UUID]) -> uuid.UUID | None:
+    row = conn.execute("SELECT id FROM runpool.runs WHERE id = ANY(%s) AND status = 'running'"
+                       " AND handler = 'research' ORDER BY started_at DESC LIMIT 1",
+                       (ids,)).fetchone()
+    if row is None:
+        return None
+    answer = conn.execute("SELECT runpool.cancel_run(%s, 'user pressed stop')",
+                          (row[0],)).fetchone()
+    _say(f"SELECT runpool.cancel_run('{row[0]}', 'user pressed stop') -> "
+         f"{answer[0] if answer else None}")
+    return uuid.UUID(str(row[0]))
+
+
+def _summary(conn: psycopg.Connection[Any], ids: list[uuid.UUID],
+             killed: tuple[uuid.UUID, int] | None, cancelled: uuid.UUID | None) -> None:
+    for tenant, counts in _progress(conn, ids).items():
+        print(f"  {tenant:<10} " + "  ".join(f"{s} {counts[s]}" for s in STATUSES))
+    if killed:
+        run_id, _ = killed
+        row = conn.execute("SELECT status, attempt FROM runpool.runs WHERE id = %s",
+                           (run_id,)).fetchone()
+        calls = conn.execute(
+            "SELECT t.call_id, t.status, (SELECT count(*) FROM sample_agent_effects e"
+            " WHERE e.run_id = t.run_id AND e.call_id = t.call_id)"
+            " FROM runpool.tool_calls t WHERE t.run_id = %s ORDER BY t.started_at",
+            (run_id,)).fetchall()
+        _say(f"the run whose worker was killed: {row[0] if row else '?'} after"
+             f" {row[1] if row else '?'} attempts; its tool calls (status, executions):")
+        for call_id, status, executions in calls:
+            print(f"      {call_id:<10} {status:<10} ran {executions}x")
+    if cancelled:
+        row = conn.execute("SELECT status, cancel_reason FROM runpool.runs WHERE id = %s",
+                           (cancelled,)).fetchone()
+        _say(f"the cancelled run: {row[0] if row else '?'} ({row[1] if row else ''})")
+    failed = conn.execute(
+        "SELECT id, handler, error->>'reason' FROM runpool.runs WHERE id = ANY(%s)"
+        " AND status = 'failed' ORDER BY handler", (ids,)).fetchall()
+    if failed:
+        _say(f"{len(failed)} failed runs (the dead-letter list;"
+             " `python -m runpool retry RUN_ID` replays one):")
+        for run_id, handler, reason in failed:
+            print(f"      {run_id}  {handler:<10} {reason}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import uuid
@@ -276,9 +277,10 @@ def test_connections_killed_during_checkpoint_commits__each_call_committed_once(
         side: psycopg.Connection, dsn: str) -> None:
     run_id = runpool.enqueue(side, "acme", "agent", {"steps": 30}, max_attempts=50)
 
-    def progress() -> int:
-        return int(scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s",
-                          run_id))
+    def progressed_beyond(seen: int) -> int:
+        now = int(scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s",
+                         run_id))
+        return now if now > seen else 0
 
     kills = 0
     with running_pool(dsn, retry_backoff_seconds=0.02):
@@ -286,7 +288,7 @@ def test_connections_killed_during_checkpoint_commits__each_call_committed_once(
         # Each time the run commits a step, terminate one of the worker's pool connections:
         # the next checkpoint write (or the one in flight) loses its connection.
         for _ in range(8):
-            seen = wait_for(lambda seen=seen: (p := progress()) > seen and p, timeout=30,
+            seen = wait_for(functools.partial(progressed_beyond, seen), timeout=30,
                             what="progress")
             backends = live_pool_backends(side)
             if backends:
@@ -313,3 +315,35 @@ def live_pool_backends(conn: psycopg.Connection) -> list[int]:
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
         " AND pid <> pg_backend_pid() AND query NOT LIKE 'LISTEN%%'"
         " AND backend_type = 'client backend'")]
+
+
+def test_sample_agent__sigkilled_mid_run_resumes_each_committed_call_run_once(
+        conn: psycopg.Connection, dsn: str) -> None:
+    from runpool import sample_agent
+
+    sample_agent.prepare(conn)
+    run_id = runpool.enqueue(conn, "acme", "research",
+                             {"searches": 4, "think_seconds": 0.05, "tool_seconds": 0.3})
+    with running_pool(dsn, app="runpool.sample_agent:app", workers=2, lease_seconds=1.5):
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s"
+                                " AND status = 'succeeded'", run_id) >= 2, what="two calls")
+        pid = scalar(conn, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
+                     " ON r.worker_id = w.id WHERE r.id = %s", run_id)
+        committed_before = {c for (c,) in conn.execute(
+            "SELECT call_id FROM runpool.tool_calls WHERE run_id = %s AND status = 'succeeded'",
+            (run_id,))}
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: _done(conn, run_id), timeout=30, what="resumed run")
+    row = run_row(conn, run_id)
+    assert (row["status"], row["attempt"]) == ("succeeded", 2)
+    assert row["result"] == {"answer": "report on postgres queues sent", "turns": 6}
+    effects = dict(conn.execute("SELECT call_id, count(*) FROM sample_agent_effects"
+                                " WHERE run_id = %s GROUP BY call_id", (run_id,)).fetchall())
+    assert all(effects[c] == 1 for c in committed_before)
+    # The call in flight at the kill ran at most twice, with one idempotency key.
+    assert all(n <= 2 for n in effects.values()) and set(effects) == {
+        "search-0", "search-1", "search-2", "search-3", "report"}
+    keys = conn.execute("SELECT call_id, count(DISTINCT idempotency_key) FROM"
+                        " sample_agent_effects WHERE run_id = %s GROUP BY call_id",
+                        (run_id,)).fetchall()
+    assert all(n == 1 for _, n in keys)
