@@ -14,6 +14,7 @@ import socket
 import time
 import traceback
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,9 @@ class Worker:
         self._pool: AsyncConnectionPool | None = None
         self._outcomes: OutcomeWriter | None = None
         self._last_touch = 0.0
+        # Cancel notices for runs not (yet) in a slot, by arrival time.
+        self._early_cancels: dict[uuid.UUID, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self.listener: Listener | None = None
         self._log = {"worker_id": str(self.id)}
 
@@ -196,6 +200,8 @@ class Worker:
                      extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
         self.slots[c.id] = slot
         slot.task = asyncio.create_task(self._execute(slot), name=f"run-{c.id}")
+        if self._early_cancels.pop(c.id, None) is not None:
+            self._background(self._confirm_cancel(c.id))
 
     # -- executing ---------------------------------------------------------------------------
 
@@ -355,17 +361,33 @@ class Worker:
 
     def _on_cancel_notice(self, run_id: uuid.UUID) -> None:
         if run_id in self.slots:
-            asyncio.get_running_loop().create_task(self._confirm_cancel(run_id))
+            self._background(self._confirm_cancel(run_id))
+            return
+        # The notice can overtake our own claim of the run (it is sent when the canceller
+        # commits, which may be before _start registers the slot): keep it for a moment.
+        now = time.monotonic()
+        self._early_cancels = {r: t for r, t in self._early_cancels.items() if now - t < 60}
+        self._early_cancels[run_id] = now
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # a task nobody references may be collected mid-flight
+        task.add_done_callback(self._tasks.discard)
 
     async def _confirm_cancel(self, run_id: uuid.UUID) -> None:
         slot = self.slots.get(run_id)
         if slot is None or self._pool is None:
             return
         # A NOTIFY proves nothing: the flag in the database decides.
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(QUERIES["read_cancel_flags"], {
-                "ids": [slot.claimed.id], "attempts": [slot.claimed.attempt]})
-            flagged = await cur.fetchall()
+        try:
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(QUERIES["read_cancel_flags"], {
+                    "ids": [slot.claimed.id], "attempts": [slot.claimed.attempt]})
+                flagged = await cur.fetchall()
+        except psycopg.OperationalError as exc:
+            logger.warning("could not read the cancel flag (the heartbeat will): %s", exc,
+                           extra={"action": "cancel_check_failed", **slot.extra})
+            return
         if flagged and self.slots.get(run_id) is slot:
             self._cancel(slot)
 
@@ -380,7 +402,7 @@ class Worker:
         slot.task.cancel()
         asyncio.get_running_loop().call_later(
             self.settings.cancel_grace_seconds,
-            lambda: asyncio.ensure_future(self._force_cancelled(slot)))
+            lambda: self._background(self._force_cancelled(slot)))
 
     async def _force_cancelled(self, slot: _Slot) -> None:
         """The handler ignored cancellation past its grace: record it cancelled and free the

@@ -120,3 +120,38 @@ def agent_sync(run: runpool.Run) -> Any:
 async def big_message(run: runpool.Run) -> Any:
     await run.add_message("assistant", {"blob": "x" * 2_000_000})
     return None
+
+
+# -- cancellation ---------------------------------------------------------------------------
+
+@app.handler("hold")
+async def hold(run: runpool.Run) -> Any:
+    """Waits to be cancelled; cleans up (one message) when it is."""
+    try:
+        await asyncio.sleep(float(run.input.get("seconds", 120)))
+    except asyncio.CancelledError:
+        await run.add_message("system", {"cleanup_at": time.time(), "cancelled": run.cancelled})
+        raise
+    return "not cancelled"
+
+
+@app.handler("hold_sync")
+def hold_sync(run: runpool.Run) -> Any:
+    """A plain handler making tool calls until cancelled."""
+    def slow(arguments: Any, key: str) -> Any:
+        time.sleep(0.1)
+        return arguments
+
+    for i in range(10_000):
+        run.tool_sync(f"c{i}", "slow", {"i": i}, slow)
+    return "not cancelled"
+
+
+@app.handler("stubborn")
+async def stubborn(run: runpool.Run) -> Any:
+    """Ignores cancellation: swallows CancelledError and goes on sleeping."""
+    while True:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            continue

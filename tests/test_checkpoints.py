@@ -337,7 +337,7 @@ def test_sample_agent__sigkilled_mid_run_resumes_each_committed_call_run_once(
     row = run_row(conn, run_id)
     assert (row["status"], row["attempt"]) == ("succeeded", 2)
     assert row["result"] == {"answer": "report on postgres queues sent", "turns": 6}
-    effects = dict(conn.execute("SELECT call_id, count(*) FROM sample_agent_effects"
+    effects: dict[str, int] = dict(conn.execute("SELECT call_id, count(*) FROM sample_agent_effects"
                                 " WHERE run_id = %s GROUP BY call_id", (run_id,)).fetchall())
     assert all(effects[c] == 1 for c in committed_before)
     # The call in flight at the kill ran at most twice, with one idempotency key.

@@ -1,0 +1,237 @@
+"""Cancellation over NOTIFY with the heartbeat as fallback; races; least-privilege roles."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+import runpool
+from runpool.claiming import claim
+from runpool.db import aconnect, connect
+from runpool.queries import QUERIES
+from tests.helpers import events, run_row, running_pool, scalar, wait_for
+
+CANCEL = "SELECT runpool.cancel_run(%s, %s)"
+
+
+def _running(conn: psycopg.Connection, run_id: uuid.UUID) -> bool:
+    return bool(run_row(conn, run_id)["status"] == "running")
+
+
+def _status(conn: psycopg.Connection, run_id: uuid.UUID) -> str:
+    return str(run_row(conn, run_id)["status"])
+
+
+def test_cancel_async_run__interrupted_at_its_next_await_and_cleans_up(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "hold")
+    with running_pool(dsn, poll_seconds=60):
+        wait_for(lambda: _running(conn, run_id), what="running")
+        assert scalar(conn, CANCEL, run_id, "user pressed stop") == "cancelling"
+        wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=5, what="cancelled")
+        after = runpool.enqueue(conn, "acme", "noop")  # the slot is free again
+        wait_for(lambda: _status(conn, after) == "succeeded", what="next run")
+    row = run_row(conn, run_id)
+    assert (row["cancel_reason"], row["error"]["reason"]) == ("user pressed stop", "cancelled")
+    cleanup = scalar(conn, "SELECT content FROM runpool.messages WHERE run_id = %s", run_id)
+    assert cleanup["cancelled"] is True
+    assert events(conn, run_id) == ["enqueued", "claimed", "cancel_requested", "cancelled"]
+    assert scalar(conn, CANCEL, run_id, "again") == "cancelled"
+
+
+def test_cancel_sync_run__no_new_tool_call_starts_after_the_cancel(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "hold_sync")
+    with running_pool(dsn):
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.tool_calls"
+                                " WHERE run_id = %s", run_id) >= 3, what="tool calls")
+        assert scalar(conn, CANCEL, run_id, "stop") == "cancelling"
+        wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=5, what="cancelled")
+        finished_at = run_row(conn, run_id)["finished_at"]
+        calls = scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s", run_id)
+        # Let the handler's thread go on for a while (it would start calls every 0.1 s).
+        later = runpool.enqueue(conn, "acme", "sleep", {"seconds": 0.5})
+        wait_for(lambda: _status(conn, later) == "succeeded", what="time to pass")
+    assert scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s",
+                  run_id) == calls
+    assert scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s"
+                  " AND started_at > %s", run_id, finished_at) == 0
+    # The call in flight at the cancel was either committed or left interrupted, never both.
+    assert scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s"
+                  " AND status = 'started'", run_id) <= 1
+
+
+def test_handler_ignoring_cancellation__recorded_cancelled_after_the_grace(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "stubborn")
+    with running_pool(dsn, concurrency=1, cancel_grace_seconds=0.5):
+        wait_for(lambda: _running(conn, run_id), what="running")
+        scalar(conn, CANCEL, run_id, "stop")
+        wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=10, what="forced")
+        # The only slot is free again although the handler never returned.
+        nxt = runpool.enqueue(conn, "acme", "noop")
+        wait_for(lambda: _status(conn, nxt) == "succeeded", what="slot freed")
+
+
+@pytest.mark.parametrize("how", ["listen_off", "listener_killed"])
+def test_cancel_without_notify__arrives_through_the_heartbeat(
+        conn: psycopg.Connection, dsn: str, how: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "hold")
+    settings: dict[str, Any] = {"lease_seconds": 1.5, "poll_seconds": 60}
+    if how == "listen_off":
+        settings["listen"] = 0
+    with running_pool(dsn, **settings):
+        wait_for(lambda: _running(conn, run_id), what="running")
+        if how == "listener_killed":
+            scalar(conn, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                   " WHERE datname = current_database() AND query LIKE 'LISTEN%%'")
+        scalar(conn, CANCEL, run_id, "stop")
+        # Heartbeat every 0.5 s: well within one interval plus a second.
+        wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=3, what="cancelled")
+
+
+def test_cancel_while_the_worker_is_dead__ends_cancelled_not_reclaimed(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "hold")
+    with running_pool(dsn, workers=2, lease_seconds=1.5):
+        wait_for(lambda: _running(conn, run_id), what="running")
+        pid = scalar(conn, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
+                     " ON r.worker_id = w.id WHERE r.id = %s", run_id)
+        os.kill(pid, signal.SIGKILL)
+        assert scalar(conn, CANCEL, run_id, "stop") == "cancelling"
+        wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=15, what="cancelled")
+    assert run_row(conn, run_id)["attempt"] == 1
+    assert "claimed" not in events(conn, run_id)[2:]
+
+
+def test_forged_notify__changes_nothing(conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "hold", {"seconds": 1.5})
+    with running_pool(dsn) as pool:
+        wait_for(lambda: _running(conn, run_id), what="running")
+        conn.execute("SELECT pg_notify('runpool_cancel', %s)", (str(run_id),))
+        conn.execute("SELECT pg_notify('runpool_cancel', 'not a uuid; DROP TABLE x')")
+        wait_for(lambda: _status(conn, run_id) == "succeeded", what="run unaffected")
+        assert "cancel_notice_ignored" in pool.log()
+    assert run_row(conn, run_id)["result"] == "not cancelled"
+
+
+# -- races, forced with open transactions ---------------------------------------------------
+
+def _cancel_in_thread(dsn: str, run_id: uuid.UUID, reason: str,
+                     answers: list[Any]) -> threading.Thread:
+    """cancel_run on its own connection, in a thread: it may block behind a row lock."""
+    def cancel() -> None:
+        with connect(dsn, autocommit=True) as c:
+            answers.append(scalar(c, CANCEL, run_id, reason))
+
+    thread = threading.Thread(target=cancel)
+    thread.start()
+    return thread
+
+
+def _blocked(conn: psycopg.Connection) -> bool:
+    return bool(scalar(conn, "SELECT count(*) FROM pg_locks WHERE NOT granted"))
+
+
+def test_race_cancel_during_claim__claim_first_then_cancel_says_cancelling(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    answers: list[Any] = []
+    with connect(dsn) as claimer:  # one open claim transaction, committed by hand
+        tenants = [t for (t,) in claimer.execute(QUERIES["lock_tenants"])]
+        claimer.execute(QUERIES["claim_runs"], {"tenants": tenants, "limit": 1,
+                                                "worker_id": uuid.uuid4(), "lease_seconds": 30})
+        canceller = _cancel_in_thread(dsn, run_id, "race", answers)
+        wait_for(lambda: _blocked(conn), what="cancel blocked behind the claim")
+        claimer.commit()
+        canceller.join(10)
+    assert answers == ["cancelling"]
+    row = run_row(conn, run_id)
+    assert (row["status"], row["cancel_reason"]) == ("running", "race")
+
+
+def test_race_cancel_during_claim__cancel_first_the_claim_skips_it(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    with connect(dsn) as canceller:
+        assert scalar(canceller, CANCEL, run_id, "race") == "cancelled"  # not committed yet
+
+        async def main() -> list[Any]:
+            async with await aconnect(dsn, autocommit=True) as c:
+                return await claim(c, worker_id=uuid.uuid4(), limit=5, lease_seconds=30)
+
+        assert asyncio.run(main()) == []  # skipped, not waited for
+        canceller.commit()
+    assert _status(conn, run_id) == "cancelled"
+
+
+def test_race_cancel_during_final_commit__cancel_reports_what_won(
+        conn: psycopg.Connection, dsn: str) -> None:
+    first = runpool.enqueue(conn, "acme", "noop")
+    second = runpool.enqueue(conn, "acme", "noop")
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                 " lease_expires_at = now() + interval '1 minute'")
+    finish = {"attempts": [1], "outcomes": ["succeeded"],
+              "results": [psycopg.types.json.Jsonb(1)], "errors": [None], "delays": [0.0]}
+    # The commit wins: the cancel, blocked behind it, reports the truth.
+    answers: list[Any] = []
+    with connect(dsn) as worker:
+        worker.execute(QUERIES["finish_runs"], {"ids": [first], **finish})
+        canceller = _cancel_in_thread(dsn, first, "late", answers)
+        wait_for(lambda: _blocked(conn), what="cancel blocked behind the commit")
+        worker.commit()
+        canceller.join(10)
+    assert answers == ["succeeded"] and _status(conn, first) == "succeeded"
+    # The cancel wins the row first: it says 'cancelling'; a handler that still finishes its
+    # work ends succeeded, and a repeated cancel says so.
+    assert scalar(conn, CANCEL, second, "early") == "cancelling"
+    conn.execute(QUERIES["finish_runs"], {"ids": [second], **finish})
+    assert scalar(conn, CANCEL, second, "again") == "succeeded"
+
+
+# -- roles ----------------------------------------------------------------------------------
+
+def test_api_role__may_only_call_the_api_and_read(conn: psycopg.Connection) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    conn.execute("SET ROLE runpool_api")
+    try:
+        new = scalar(conn, "SELECT runpool.enqueue('acme', 'noop')")
+        assert scalar(conn, "SELECT runpool.explain_run(%s)", new)["status"] == "queued"
+        assert scalar(conn, CANCEL, new, "api") == "cancelled"
+        assert scalar(conn, "SELECT runpool.retry_run(%s)", new) == "queued"
+        assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 2
+        forbidden = [
+            "UPDATE runpool.runs SET status = 'succeeded'",
+            "DELETE FROM runpool.runs",
+            "INSERT INTO runpool.tenants (tenant) VALUES ('x')",
+            "UPDATE runpool.config SET default_quota = 1",
+            "SELECT runpool.set_tenant_quota('acme', 100)",
+        ]
+        for statement in forbidden:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+    finally:
+        conn.execute("RESET ROLE")
+    assert _status(conn, run_id) == "queued"
+
+
+def test_catalog__every_function_is_definer_pinned_and_not_public(
+        conn: psycopg.Connection) -> None:
+    rows = conn.execute("""
+        SELECT p.proname, p.prosecdef, coalesce(array_to_string(p.proconfig, ','), ''),
+               EXISTS (SELECT 1 FROM aclexplode(coalesce(p.proacl, acldefault('f', p.proowner)))
+                       a WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')
+        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+        WHERE n.nspname = 'runpool'""").fetchall()
+    assert {r[0] for r in rows} >= {"enqueue", "cancel_run", "retry_run", "set_tenant_quota",
+                                    "explain_run"}
+    bad = [(name, definer, config, public) for name, definer, config, public in rows
+           if not definer or "search_path=" not in config or public]
+    assert bad == []
