@@ -75,6 +75,17 @@ async def tool_loop(run: Run) -> Any:
     return {"overheads_ms": overheads}
 
 
+@app.handler("await_cancel")
+async def await_cancel(run: Run) -> Any:
+    """W9: waits to be cancelled and records when it saw the cancellation."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        await run.add_message("system", {"seen": time.time()})
+        raise
+    return None
+
+
 # Server-wide transaction counter of one database (read from another database, so the
 # reading itself is not counted).
 XACTS: Final = "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s"
@@ -321,6 +332,43 @@ def w8_resume_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
     return out
 
 
+RUNNING: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'running'"
+CANCELLED: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'cancelled'"
+
+
+def _cancel_latencies(server: str, *, rounds: int, per_round: int, **settings: Any
+                      ) -> list[float]:
+    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
+        latencies: list[float] = []
+        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=per_round // 2,
+                          **settings):
+            _wait(conn, LIVE_WORKERS, 2, timeout=60)
+            for r in range(rounds):
+                ids = [enqueue(conn, "bench", "await_cancel") for _ in range(per_round)]
+                _wait(conn, RUNNING, per_round, timeout=120)
+                committed = {}
+                for run_id in ids:
+                    conn.execute("SELECT runpool.cancel_run(%s, 'bench')", (run_id,))
+                    committed[run_id] = time.time()  # autocommit: returns after COMMIT
+                _wait(conn, CANCELLED, per_round * (r + 1), timeout=120)
+                for run_id, content in conn.execute(
+                        "SELECT run_id, content FROM runpool.messages WHERE run_id = ANY(%s)",
+                        (ids,)):
+                    latencies.append((content["seen"] - committed[run_id]) * 1000)
+    return latencies
+
+
+def w9_cancel_latency(server: str) -> dict[str, Any]:
+    """W9: cancel_run commit -> the handler seeing the cancellation; 200 running runs with
+    LISTEN, and 20 with LISTEN off (the heartbeat must bring it, default lease 30 s)."""
+    notified = _cancel_latencies(server, rounds=10, per_round=20)
+    polled = _cancel_latencies(server, rounds=1, per_round=20, listen=0)
+    return {"workload": "W9", "cancels": len(notified),
+            "p50_ms": round(_pct(notified, 50), 2), "p99_ms": round(_pct(notified, 99), 2),
+            "no_listen_cancels": len(polled), "no_listen_max_ms": round(max(polled), 1),
+            "no_listen_heartbeat_s": 10.0}
+
+
 WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W1": w1_throughput,
     "W1q": lambda server: w1_throughput(server, quotas=True),
@@ -330,6 +378,7 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W6": w6_claim_depth,
     "W7": w7_checkpoint_cost,
     "W8": w8_resume_cost,
+    "W9": w9_cancel_latency,
 }
 
 
