@@ -7,6 +7,7 @@ import asyncio
 import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 import checkpoints
 from checkpoints import Message, ToolCall
 
+from . import telemetry
 from .db import dumps
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
 
@@ -149,6 +151,9 @@ class Run:
         prior = self._calls.get(call_id)
         if prior is not None and prior.committed:
             self.events.append(("checkpoint_hit", call_id))
+            # Resume is visible in the trace as an event, not as a new execution.
+            telemetry.event("runpool.checkpoint.hit", **{
+                telemetry.GENAI_TOOL_CALL_ID: call_id, telemetry.GENAI_TOOL_NAME: name})
             return prior.result
         if prior is not None and prior.status == "unknown":
             raise ToolOutcomeUnknown(call_id)
@@ -156,6 +161,16 @@ class Run:
             # A cancelled run starts no new tool calls (sync handlers reach here too).
             raise asyncio.CancelledError(f"run {self.id} was cancelled")
         pool = self._writable()
+        with telemetry.tool_span(name, call_id) as span:
+            result = await self._run_tool(pool, prior, call_id, name, arguments, args, fn,
+                                          retry_interrupted)
+            if span is not None and isinstance(result, dict) and "error" in result:
+                span.set_status(telemetry.Status(telemetry.StatusCode.ERROR))
+            return result
+
+    async def _run_tool(self, pool: AsyncConnectionPool, prior: ToolCall | None, call_id: str,
+                        name: str, arguments: Any, args: bytes, fn: ToolFn,
+                        retry_interrupted: bool) -> Any:
         interrupted = prior is not None and prior.status == "started"
         try:
             if interrupted and not retry_interrupted:
@@ -213,6 +228,10 @@ class Run:
             call_id, name, arguments, status, result, self.attempt, max(executions, 1),
             prior.started_at if prior and status != "started" else now,
             None if status == "started" else now)
+
+    def model_call(self, model: str) -> AbstractContextManager[Any]:
+        """Wrap a model call: a `chat {model}` span (GenAI conventions) when tracing is on."""
+        return telemetry.model_span(model)
 
     # -- for plain (threaded) handlers -----------------------------------------------------
 

@@ -14,6 +14,7 @@ from psycopg import pq
 from psycopg.types.json import Jsonb
 
 from .db import dumps, translate_error
+from .telemetry import RUN_ID, enqueue_traceparent
 
 __all__ = ["RunSpec", "enqueue", "enqueue_async", "enqueue_many"]
 
@@ -102,6 +103,31 @@ async def _aguard(conn: psycopg.AsyncConnection[Any]) -> Any:
         raise translate_error(exc) from exc
 
 
+@contextmanager
+def _enqueue_span(handler: str, tenant: str, traceparent: str | None
+                  ) -> Iterator[tuple[Any, str | None]]:
+    """The enqueue span, root of the run's trace, when the caller traces and gave no
+    traceparent of its own; its context is stored on the run."""
+    if traceparent is not None:
+        yield None, traceparent
+        return
+    span, traceparent = enqueue_traceparent(handler, tenant)
+    try:
+        yield span, traceparent
+    except BaseException as exc:
+        if span is not None:
+            span.record_exception(exc)
+        raise
+    finally:
+        if span is not None:
+            span.end()
+
+
+def _label(span: Any, run_id: uuid.UUID) -> None:
+    if span is not None:
+        span.set_attribute(RUN_ID, str(run_id))
+
+
 def enqueue(
     conn: psycopg.Connection[Any],
     tenant: str,
@@ -116,13 +142,15 @@ def enqueue(
 ) -> uuid.UUID:
     """Enqueue a run on conn, joining its transaction; returns the run id (the existing one
     for a repeated idempotency key)."""
-    spec = RunSpec(tenant, handler, {} if input is None else input, priority,
-                   idempotency_key, run_at, max_attempts, traceparent)
-    params = spec.params()
-    with _guard(conn):
-        row = conn.execute(ENQUEUE, params).fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
+    with _enqueue_span(handler, tenant, traceparent) as (span, traceparent):
+        spec = RunSpec(tenant, handler, {} if input is None else input, priority,
+                       idempotency_key, run_at, max_attempts, traceparent)
+        params = spec.params()
+        with _guard(conn):
+            row = conn.execute(ENQUEUE, params).fetchone()
+        assert row is not None
+        _label(span, row[0])
+        return row[0]  # type: ignore[no-any-return]
 
 
 async def enqueue_async(
@@ -138,14 +166,16 @@ async def enqueue_async(
     traceparent: str | None = None,
 ) -> uuid.UUID:
     """The asyncio twin of enqueue()."""
-    spec = RunSpec(tenant, handler, {} if input is None else input, priority,
-                   idempotency_key, run_at, max_attempts, traceparent)
-    params = spec.params()
-    async with _aguard(conn):
-        cur = await conn.execute(ENQUEUE, params)
-        row = await cur.fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
+    with _enqueue_span(handler, tenant, traceparent) as (span, traceparent):
+        spec = RunSpec(tenant, handler, {} if input is None else input, priority,
+                       idempotency_key, run_at, max_attempts, traceparent)
+        params = spec.params()
+        async with _aguard(conn):
+            cur = await conn.execute(ENQUEUE, params)
+            row = await cur.fetchone()
+        assert row is not None
+        _label(span, row[0])
+        return row[0]  # type: ignore[no-any-return]
 
 
 def _many_params(specs: Iterable[RunSpec]) -> dict[str, list[Any]]:

@@ -23,10 +23,11 @@ from psycopg_pool import AsyncConnectionPool
 
 import checkpoints
 
+from . import telemetry
 from .app import App
 from .claiming import ClaimedRun, claim
 from .context import Run
-from .db import dumps, open_pool
+from .db import dumps, loads, open_pool
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
 from .listener import Listener
 from .outcomes import Outcome, OutcomeWriter
@@ -65,6 +66,10 @@ def _error(reason: str, message: str, **more: Any) -> bytes:
     return dumps(doc)
 
 
+def _reason(outcome: Outcome) -> str | None:
+    return str(loads(outcome.error).get("reason")) if outcome.error else None
+
+
 class Worker:
     def __init__(self, settings: Settings, app: App, dsn: str) -> None:
         self.id = uuid.uuid4()
@@ -88,6 +93,7 @@ class Worker:
     async def run(self, stop: asyncio.Event, abort: asyncio.Event) -> None:
         """Work until `stop` (drain: finish or release in-flight runs) or `abort` (release now)."""
         s = self.settings
+        telemetry.setup_tracing(self.id)
         self._pool = await open_pool(self.dsn, size=s.connections, name=f"runpool-{os.getpid()}")
         side: list[asyncio.Task[None]] = []
         try:
@@ -116,6 +122,7 @@ class Worker:
             await asyncio.gather(*side, return_exceptions=True)
             await self._unregister()
             await self._pool.close()
+            await asyncio.to_thread(telemetry.shutdown_tracing)
             logger.info("worker stopped", extra={"action": "worker_stopped", **self._log})
 
     async def _relay(self, stop: asyncio.Event, abort: asyncio.Event) -> None:
@@ -206,6 +213,11 @@ class Worker:
     # -- executing ---------------------------------------------------------------------------
 
     async def _execute(self, slot: _Slot) -> None:
+        c = slot.claimed
+        with telemetry.process_span(c.id, c.tenant, c.handler, c.attempt, c.traceparent) as span:
+            await self._execute_traced(slot, span)
+
+    async def _execute_traced(self, slot: _Slot, span: Any) -> None:
         try:
             try:
                 outcome = await self._call(slot)
@@ -215,6 +227,9 @@ class Worker:
                                  extra={"action": "run_internal_error", **slot.extra})
                 outcome = Outcome(slot.claimed.id, slot.claimed.attempt, "failed",
                                   error=_error("internal_error", repr(exc)))
+            if span is not None:
+                telemetry.finish(span, *((slot.stop_reason or "abandoned", None)
+                                         if outcome is None else (outcome.kind, _reason(outcome))))
             if outcome is not None:
                 slot.finishing = True
                 assert self._outcomes is not None

@@ -34,7 +34,8 @@ def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float 
 
 
 def pool_env(dsn: str, **settings: Any) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOOL_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RUNPOOL_", "OTEL_"))}
     env.pop("DATABASE_URL", None)
     env["RUNPOOL_DSN"] = dsn
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -52,7 +53,8 @@ class Pool(subprocess.Popen[bytes]):
 
 
 @contextmanager
-def running_pool(dsn: str, app: str = "tests.apps:app", **settings: Any) -> Iterator[Pool]:
+def running_pool(dsn: str, app: str = "tests.apps:app", env: dict[str, str] | None = None,
+                 **settings: Any) -> Iterator[Pool]:
     """A real `python -m runpool` supervisor; killed (with its workers) when the block exits."""
     defaults: dict[str, Any] = {"workers": 1, "concurrency": 4, "poll_seconds": 1,
                                 "grace_seconds": 5}
@@ -60,7 +62,7 @@ def running_pool(dsn: str, app: str = "tests.apps:app", **settings: Any) -> Iter
     log = tempfile.NamedTemporaryFile(prefix="runpool-pool-", suffix=".log", delete=False)
     proc = Pool(
         [sys.executable, "-m", "runpool", "--app", app],
-        env=pool_env(dsn, **defaults), cwd=ROOT, start_new_session=True,
+        env={**pool_env(dsn, **defaults), **(env or {})}, cwd=ROOT, start_new_session=True,
         stdout=log, stderr=subprocess.STDOUT,
     )
     proc.log_path = Path(log.name)

@@ -1,0 +1,85 @@
+"""An in-test OTLP/HTTP trace receiver that decodes what real workers export."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+
+@dataclass
+class ReceivedSpan:
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    name: str
+    attributes: dict[str, Any]
+    events: list[tuple[str, dict[str, Any]]]
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+@dataclass
+class Receiver:
+    """mode: 'ok' (200), 'unavailable' (503), or 'hang' (never answers until closed)."""
+
+    mode: str = "ok"
+    spans: list[ReceivedSpan] = field(default_factory=list)
+    requests: int = 0
+    _closing: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> str:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                receiver.requests += 1
+                if receiver.mode == "hang":
+                    receiver._closing.wait(60)
+                    return
+                if receiver.mode == "unavailable":
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                receiver._decode(body)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _decode(self, body: bytes) -> None:
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                for s in scope_spans.spans:
+                    self.spans.append(ReceivedSpan(
+                        trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
+                        parent_span_id=s.parent_span_id.hex(), name=s.name,
+                        attributes={a.key: _value(a.value) for a in s.attributes},
+                        events=[(e.name, {a.key: _value(a.value) for a in e.attributes})
+                                for e in s.events]))
