@@ -13,7 +13,7 @@ import yaml
 
 import runpool
 from tests.helpers import ROOT, run_row, running_pool, scalar, wait_for
-from tests.otlp import Receiver, ReceivedSpan
+from tests.otlp import ReceivedSpan, Receiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
