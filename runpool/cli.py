@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import uuid
 from dataclasses import fields
 from datetime import datetime
@@ -21,7 +22,8 @@ from .settings import Settings
 __all__ = ["main"]
 
 COMMANDS = (
-    "run", "migrate", "enqueue", "cancel", "retry", "explain", "status", "demo", "bench",
+    "run", "migrate", "enqueue", "cancel", "retry", "explain", "runs", "status", "demo",
+    "bench",
 )
 
 # The SQL API, called exactly as an application would.
@@ -119,9 +121,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_id")
     p.add_argument("--json", action="store_true", help="print the JSON document")
 
-    p = sub.add_parser("status", help="runs by status and tenant, live workers")
+    p = sub.add_parser("runs", help="one run's history: events, messages, tool calls")
+    _add_settings_flags(p, db_only)
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    p = sub.add_parser("status", help="counts, in-flight and stuck runs, failures, workers")
     _add_settings_flags(p, db_only)
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None,
+                   metavar="SECONDS", help="refresh in place every SECONDS (default 2)")
+    p.add_argument("--window", type=float, default=3600,
+                   help="seconds of finished runs the percentiles cover (default 3600)")
 
     p = sub.add_parser("demo", help="run the sample agent app on a pool and watch it")
     _add_settings_flags(p, db_only)
@@ -245,13 +256,34 @@ def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
             for key, value in doc.items():
                 print(f"  {key}: {value}")
         return 0
-    if args.command == "status":
-        from .status import collect, render
+    if args.command == "runs":
+        from .status import history, render_history
 
-        report = collect(conn)
+        doc = history(conn, _parse_run_id(args.run_id))
+        if doc is None:
+            return _answer(None, args.run_id)
+        print(json.dumps(doc) if args.json else render_history(doc))
+        return 0
+    if args.command == "status":
+        return _status(conn, args)
+    raise AssertionError(args.command)
+
+
+def _status(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    from .status import collect, render
+
+    if args.watch is None:
+        report = collect(conn, window_seconds=args.window)
         print(json.dumps(report) if args.json else render(report))
         return 0
-    raise AssertionError(args.command)
+    try:
+        while True:
+            screen = render(collect(conn, window_seconds=args.window))
+            # Home the cursor and clear: the view refreshes in place.
+            print("\x1b[H\x1b[2J" + screen, flush=True)
+            time.sleep(max(args.watch, 0.2))
+    except KeyboardInterrupt:
+        return 0
 
 
 def _answer(row: tuple[Any, ...] | None, run_id: str) -> int:

@@ -1,53 +1,184 @@
-"""`python -m runpool status`: what the queue holds, by status and tenant."""
+"""`python -m runpool status`: what is happening — counts, in-flight and stuck runs, recent
+failures, latency percentiles, live workers; and `runs RUN_ID`: one run's whole story."""
 
 from __future__ import annotations
 
+import uuid
+from datetime import datetime
+from decimal import Decimal
 from typing import Any, Final
 
 import psycopg
+from psycopg.rows import dict_row
 
-__all__ = ["collect", "render"]
+__all__ = ["STATUSES", "collect", "history", "render", "render_history"]
+
+STATUSES: Final = ("queued", "running", "succeeded", "failed", "cancelled")
 
 # Runs by tenant and status (the terminal ones too: they are the history users ask about).
 BY_TENANT: Final = """
 SELECT tenant, status, count(*) FROM runpool.runs GROUP BY tenant, status ORDER BY tenant, status
 """
-# Workers seen recently, i.e. alive unless they stopped cleanly.
-WORKERS: Final = """
-SELECT id, host, pid, concurrency, last_seen_at,
-       (SELECT count(*) FROM runpool.runs r WHERE r.worker_id = w.id AND r.status = 'running')
-FROM runpool.workers w
-WHERE stopped_at IS NULL AND last_seen_at > now() - interval '2 minutes'
-ORDER BY started_at
+# Runs holding a lease: how long they have run, and when the lease runs out (negative: stuck,
+# i.e. expired and not yet reclaimed).
+IN_FLIGHT: Final = """
+SELECT r.id, r.tenant, r.handler, r.attempt, r.worker_id, w.host, w.pid,
+       extract(epoch FROM now() - r.started_at)::float8 AS running_s,
+       extract(epoch FROM r.lease_expires_at - now())::float8 AS lease_left_s,
+       r.cancel_requested_at IS NOT NULL AS cancelling
+FROM runpool.runs r LEFT JOIN runpool.workers w ON w.id = r.worker_id
+WHERE r.status = 'running'
+ORDER BY r.lease_expires_at
+LIMIT %(limit)s
 """
+STUCK_COUNT: Final = """
+SELECT count(*) FROM runpool.runs WHERE status = 'running' AND lease_expires_at < now()
+"""
+# The dead-letter list, newest first.
+FAILURES: Final = """
+SELECT id, tenant, handler, attempt, error ->> 'reason' AS reason,
+       left(error ->> 'message', 200) AS message, finished_at
+FROM runpool.runs WHERE status = 'failed'
+ORDER BY finished_at DESC
+LIMIT %(limit)s
+"""
+# Queue wait (creation to the latest start) and run time of the runs finished recently.
+LATENCY: Final = """
+SELECT count(*) AS runs,
+       percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (
+           ORDER BY extract(epoch FROM started_at - created_at)) AS wait_s,
+       percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (
+           ORDER BY extract(epoch FROM finished_at - started_at)) AS run_s
+FROM runpool.runs
+WHERE finished_at > now() - %(window)s * interval '1 second' AND started_at IS NOT NULL
+"""
+# Workers seen recently that did not stop cleanly, with what they hold.
+WORKERS: Final = """
+SELECT w.id, w.host, w.pid, w.concurrency, w.last_seen_at,
+       (SELECT count(*) FROM runpool.runs r WHERE r.worker_id = w.id AND r.status = 'running')
+       AS running
+FROM runpool.workers w
+WHERE w.stopped_at IS NULL AND w.last_seen_at > now() - interval '2 minutes'
+ORDER BY w.started_at
+"""
+# One run's story: its events, conversation and tool calls.
+EVENTS: Final = """
+SELECT at, kind, attempt, worker_id, detail FROM runpool.run_events
+WHERE run_id = %(id)s ORDER BY id
+"""
+MESSAGES: Final = """
+SELECT seq, role, attempt, call_id, left(content::text, 160) AS content, created_at
+FROM runpool.messages WHERE run_id = %(id)s ORDER BY seq
+"""
+TOOL_CALLS: Final = """
+SELECT call_id, name, status, attempt, executions, left(result::text, 120) AS result,
+       started_at, finished_at
+FROM runpool.tool_calls WHERE run_id = %(id)s ORDER BY started_at, call_id
+"""
+EXPLAIN: Final = "SELECT runpool.explain_run(%(id)s)"
 
-STATUSES: Final = ("queued", "running", "succeeded", "failed", "cancelled")
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.isoformat() if isinstance(v, datetime) else
+                str(v) if isinstance(v, uuid.UUID) else
+                round(float(v), 3) if isinstance(v, float | Decimal) else v)
+            for k, v in row.items()}
 
 
-def collect(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+def _rows(conn: psycopg.Connection[Any], query: Any, params: dict[str, Any] | None = None
+          ) -> list[dict[str, Any]]:
+    cur = conn.cursor(row_factory=dict_row)
+    return [_jsonable(r) for r in cur.execute(query, params)]
+
+
+def collect(conn: psycopg.Connection[Any], *, window_seconds: float = 3600,
+            limit: int = 20) -> dict[str, Any]:
+    """Everything `status` shows, as one JSON-ready document."""
     totals = dict.fromkeys(STATUSES, 0)
     tenants: dict[str, dict[str, int]] = {}
     for tenant, status, count in conn.execute(BY_TENANT):
         totals[status] += count
         tenants.setdefault(tenant, dict.fromkeys(STATUSES, 0))[status] = count
-    workers = [
-        {"id": str(wid), "host": host, "pid": pid, "concurrency": conc,
-         "last_seen_at": seen.isoformat(), "running": running}
-        for wid, host, pid, conc, seen, running in conn.execute(WORKERS)
-    ]
-    return {"totals": totals, "tenants": tenants, "workers": workers}
+    in_flight = _rows(conn, IN_FLIGHT, {"limit": limit})
+    stuck_row = conn.execute(STUCK_COUNT).fetchone()
+    latency = _rows(conn, LATENCY, {"window": window_seconds})[0]
+    percentiles = {}
+    for key in ("wait_s", "run_s"):
+        values = latency[key] or [None, None, None]
+        percentiles[key] = {q: (round(v, 3) if v is not None else None)
+                            for q, v in zip(("p50", "p95", "p99"), values, strict=True)}
+    return {
+        "totals": totals,
+        "tenants": tenants,
+        "stuck": int(stuck_row[0]) if stuck_row else 0,
+        "in_flight": in_flight,
+        "failures": _rows(conn, FAILURES, {"limit": limit}),
+        "latency": {"window_s": window_seconds, "finished_runs": latency["runs"],
+                    **percentiles},
+        "workers": _rows(conn, WORKERS),
+    }
+
+
+def _fmt(seconds: Any) -> str:
+    return "-" if seconds is None else f"{seconds:.2f}s"
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = ["runs: " + "  ".join(f"{s} {report['totals'][s]}" for s in STATUSES)]
+    out = ["runs: " + "  ".join(f"{s} {report['totals'][s]}" for s in STATUSES)
+           + f"  (stuck {report['stuck']})"]
     if report["tenants"]:
-        lines.append("")
-        lines.append(f"{'tenant':<24}" + "".join(f"{s:>11}" for s in STATUSES))
+        out += ["", f"{'tenant':<24}" + "".join(f"{s:>11}" for s in STATUSES)]
         for tenant, counts in report["tenants"].items():
-            lines.append(f"{tenant[:24]:<24}" + "".join(f"{counts[s]:>11}" for s in STATUSES))
-    lines.append("")
-    lines.append(f"live workers: {len(report['workers'])}")
+            out.append(f"{tenant[:24]:<24}" + "".join(f"{counts[s]:>11}" for s in STATUSES))
+    lat = report["latency"]
+    out += ["", f"last {lat['window_s'] / 60:.0f} min, {lat['finished_runs']} finished runs:"
+            f"  queue wait p50 {_fmt(lat['wait_s']['p50'])} p95 {_fmt(lat['wait_s']['p95'])}"
+            f" p99 {_fmt(lat['wait_s']['p99'])}  |  run time p50 {_fmt(lat['run_s']['p50'])}"
+            f" p95 {_fmt(lat['run_s']['p95'])} p99 {_fmt(lat['run_s']['p99'])}"]
+    if report["in_flight"]:
+        out += ["", "in flight (lease left < 0: stuck, reclaimed at the next claim):"]
+        for r in report["in_flight"]:
+            flag = "  cancelling" if r["cancelling"] else ""
+            out.append(f"  {r['id']}  {r['tenant'][:16]:<16} {r['handler'][:16]:<16}"
+                       f" attempt {r['attempt']}  running {_fmt(r['running_s'])}"
+                       f"  lease left {_fmt(r['lease_left_s'])}"
+                       f"  worker {r['host']}:{r['pid']}{flag}")
+    if report["failures"]:
+        out += ["", "recent failures (retry one with: python -m runpool retry RUN_ID):"]
+        for f in report["failures"]:
+            out.append(f"  {f['id']}  {f['tenant'][:16]:<16} {f['handler'][:16]:<16}"
+                       f" {f['reason']}: {(f['message'] or '')[:80]}")
+    out += ["", f"live workers: {len(report['workers'])}"]
     for w in report["workers"]:
-        lines.append(f"  {w['id']}  {w['host']}:{w['pid']}  running {w['running']}"
-                     f"/{w['concurrency']}")
-    return "\n".join(lines)
+        out.append(f"  {w['id']}  {w['host']}:{w['pid']}  running {w['running']}"
+                   f"/{w['concurrency']}  last seen {w['last_seen_at']}")
+    return "\n".join(out)
+
+
+def history(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> dict[str, Any] | None:
+    """One run: explain_run's answer, its events, messages and tool calls."""
+    row = conn.execute(EXPLAIN, {"id": run_id}).fetchone()
+    if row is None or row[0] is None:
+        return None
+    params = {"id": run_id}
+    return {"explain": row[0], "events": _rows(conn, EVENTS, params),
+            "messages": _rows(conn, MESSAGES, params),
+            "tool_calls": _rows(conn, TOOL_CALLS, params)}
+
+
+def render_history(doc: dict[str, Any]) -> str:
+    explain = dict(doc["explain"])
+    out = [explain.pop("summary")]
+    out += [f"  {k}: {v}" for k, v in explain.items()]
+    out += ["", "events:"]
+    out += [f"  {e['at']}  {e['kind']:<16} attempt {e['attempt']}"
+            f"{'  ' + str(e['detail']) if e['detail'] else ''}" for e in doc["events"]]
+    if doc["messages"]:
+        out += ["", "messages:"]
+        out += [f"  {m['seq']:>4} {m['role']:<10} attempt {m['attempt']}  {m['content']}"
+                for m in doc["messages"]]
+    if doc["tool_calls"]:
+        out += ["", "tool calls:"]
+        out += [f"  {t['call_id']:<16} {t['name']:<16} {t['status']:<10} attempt {t['attempt']}"
+                f"  ran {t['executions']}x  {t['result'] or ''}" for t in doc["tool_calls"]]
+    return "\n".join(out)
