@@ -110,8 +110,12 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
                 time.sleep(0.5)
             print()
         _summary(conn, ids, killed, cancelled)
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        _say("traces were exported to " + os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
+             + ": in Jaeger, find the killed run's trace by its runpool.run.id; both attempts"
+             " are in it, with checkpoint-hit events where attempt 2 resumed")
     print("\nthe pool drained and stopped; runs stay in the database for inspection"
-          " (python -m runpool status, python -m runpool explain RUN_ID).", file=sys.stderr)
+          " (python -m runpool status, python -m runpool runs RUN_ID).", file=sys.stderr)
     return 0
 
 

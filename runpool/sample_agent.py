@@ -86,7 +86,8 @@ async def research(run: Run) -> Any:
         committed = [m.content for m in run.messages if m.role == "assistant"]
         step = committed[turn] if turn < len(committed) else None
         if step is None:
-            step = await model.next_turn(turn)
+            with run.model_call("scripted-model"):
+                step = await model.next_turn(turn)
             await run.add_message("assistant", step)
         if "answer" in step:
             return {"answer": step["answer"], "turns": turn + 1}
