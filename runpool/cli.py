@@ -105,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--idempotency-key")
     p.add_argument("--run-at", type=datetime.fromisoformat, help="ISO 8601 time")
     p.add_argument("--max-attempts", type=int)
+    p.add_argument("--serial-key", help="runs sharing a serial key run one at a time, in order")
 
     p = sub.add_parser("cancel", help="cancel a run (runpool.cancel_run)")
     _add_settings_flags(p, db_only)
@@ -234,7 +235,7 @@ def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
             raise InvalidInput(f"--input is not valid JSON: {exc}") from None
         run_id = enqueue(conn, args.tenant, args.handler, payload, priority=args.priority,
                          idempotency_key=args.idempotency_key, run_at=args.run_at,
-                         max_attempts=args.max_attempts)
+                         max_attempts=args.max_attempts, serial_key=args.serial_key)
         print(run_id)
         return 0
     if args.command == "cancel":

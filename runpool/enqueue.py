@@ -21,17 +21,18 @@ __all__ = ["RunSpec", "enqueue", "enqueue_async", "enqueue_many"]
 # Enqueue one run through the SQL API (validation and idempotency live there).
 ENQUEUE: Final = """
 SELECT runpool.enqueue(%(tenant)s, %(handler)s, %(input)s, %(priority)s,
-                       %(idempotency_key)s, %(run_at)s, %(max_attempts)s, %(traceparent)s)
+                       %(idempotency_key)s, %(run_at)s, %(max_attempts)s, %(traceparent)s,
+                       %(serial_key)s)
 """
 # Enqueue many runs in one statement; ids come back in input order.
 ENQUEUE_MANY: Final = """
 SELECT runpool.enqueue(s.tenant, s.handler, s.input, s.priority, s.idempotency_key,
-                       s.run_at, s.max_attempts, s.traceparent)
+                       s.run_at, s.max_attempts, s.traceparent, s.serial_key)
 FROM unnest(%(tenant)s::text[], %(handler)s::text[], %(input)s::jsonb[], %(priority)s::int[],
             %(idempotency_key)s::text[], %(run_at)s::timestamptz[], %(max_attempts)s::int[],
-            %(traceparent)s::text[])
+            %(traceparent)s::text[], %(serial_key)s::text[])
      WITH ORDINALITY AS s(tenant, handler, input, priority, idempotency_key, run_at,
-                          max_attempts, traceparent, n)
+                          max_attempts, traceparent, serial_key, n)
 ORDER BY s.n
 """
 
@@ -46,9 +47,11 @@ class RunSpec:
     run_at: datetime | None = None
     max_attempts: int | None = None
     traceparent: str | None = None
+    # Runs sharing (tenant, serial_key) run one at a time, in enqueue order.
+    serial_key: str | None = None
 
     def params(self) -> dict[str, Any]:
-        for name in ("tenant", "handler", "idempotency_key", "traceparent"):
+        for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
             value = getattr(self, name)
             if isinstance(value, str) and "\x00" in value:
                 raise _nul(name)
@@ -63,6 +66,7 @@ class RunSpec:
             "run_at": self.run_at,
             "max_attempts": self.max_attempts,
             "traceparent": self.traceparent,
+            "serial_key": self.serial_key,
         }
 
 
@@ -139,12 +143,13 @@ def enqueue(
     run_at: datetime | None = None,
     max_attempts: int | None = None,
     traceparent: str | None = None,
+    serial_key: str | None = None,
 ) -> uuid.UUID:
     """Enqueue a run on conn, joining its transaction; returns the run id (the existing one
     for a repeated idempotency key)."""
     with _enqueue_span(handler, tenant, traceparent) as (span, traceparent):
         spec = RunSpec(tenant, handler, {} if input is None else input, priority,
-                       idempotency_key, run_at, max_attempts, traceparent)
+                       idempotency_key, run_at, max_attempts, traceparent, serial_key)
         params = spec.params()
         with _guard(conn):
             row = conn.execute(ENQUEUE, params).fetchone()
@@ -164,11 +169,12 @@ async def enqueue_async(
     run_at: datetime | None = None,
     max_attempts: int | None = None,
     traceparent: str | None = None,
+    serial_key: str | None = None,
 ) -> uuid.UUID:
     """The asyncio twin of enqueue()."""
     with _enqueue_span(handler, tenant, traceparent) as (span, traceparent):
         spec = RunSpec(tenant, handler, {} if input is None else input, priority,
-                       idempotency_key, run_at, max_attempts, traceparent)
+                       idempotency_key, run_at, max_attempts, traceparent, serial_key)
         params = spec.params()
         async with _aguard(conn):
             cur = await conn.execute(ENQUEUE, params)

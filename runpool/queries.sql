@@ -45,10 +45,11 @@ FROM reaped;
 -- look under quota. The count here may be stale; claim_runs recounts under the lock.
 WITH RECURSIVE waiting AS (
     -- A loose index scan: one probe per tenant with queued runs, however deep each queue is.
-    (SELECT tenant FROM runpool.runs WHERE status = 'queued' ORDER BY tenant LIMIT 1)
+    (SELECT tenant FROM runpool.runs WHERE status = 'queued' AND NOT held
+     ORDER BY tenant LIMIT 1)
     UNION ALL
     SELECT (SELECT r.tenant FROM runpool.runs r
-            WHERE r.status = 'queued' AND r.tenant > w.tenant
+            WHERE r.status = 'queued' AND NOT r.held AND r.tenant > w.tenant
             ORDER BY r.tenant LIMIT 1)
     FROM waiting w
     WHERE w.tenant IS NOT NULL
@@ -86,6 +87,7 @@ candidates AS (
         FROM runpool.runs r
         WHERE r.tenant = cap.tenant
           AND r.status = 'queued'
+          AND NOT r.held
           AND r.available_at <= clock_timestamp()
         ORDER BY r.rank
         LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)
@@ -99,6 +101,7 @@ locked AS (
     FROM runpool.runs r
     WHERE r.id IN (SELECT id FROM candidates)
       AND r.status = 'queued'
+      AND NOT r.held
     FOR UPDATE OF r SKIP LOCKED
 ),
 claimed AS (

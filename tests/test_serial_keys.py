@@ -1,0 +1,156 @@
+"""Per-key serialisation: one live lease per (tenant, serial_key), in enqueue order."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import uuid
+from collections import defaultdict
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+import runpool
+from runpool.claiming import claim
+from runpool.db import aconnect
+from runpool.queries import QUERIES
+from tests.helpers import events, run_row, running_pool, scalar, wait_for
+
+# Keys with more than one live lease right now (must always be empty).
+DOUBLE_LEASES = """
+SELECT tenant, serial_key, count(*) FROM runpool.runs
+WHERE serial_key IS NOT NULL AND status = 'running' AND lease_expires_at > now()
+GROUP BY tenant, serial_key HAVING count(*) > 1
+"""
+
+
+def test_serial_keys__16_claimers_never_two_leases_per_key_and_start_in_order(
+        conn: psycopg.Connection, dsn: str) -> None:
+    keys = [f"k{i:03d}" for i in range(200)]
+    specs = [runpool.RunSpec(f"t{i % 4}", "noop", {"n": n}, priority=random.randint(-5, 5),
+                             serial_key=key)
+             for n in range(20) for i, key in enumerate(keys)]
+    runpool.enqueue_many(conn, specs)
+    violations: list[object] = []
+    done = asyncio.Event()
+
+    async def sampler() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            while not done.is_set():
+                cur = await c.execute(DOUBLE_LEASES)
+                violations.extend(await cur.fetchall())
+
+    async def claimer(seed: int) -> None:
+        rnd = random.Random(seed)
+        async with await aconnect(dsn, autocommit=True) as c:
+            held: list[tuple[uuid.UUID, int]] = []
+            idle = 0
+            while idle < 3:
+                got = await claim(c, worker_id=uuid.uuid4(), limit=rnd.randint(1, 8),
+                                  lease_seconds=30)
+                held += [(r.id, r.attempt) for r in got]
+                idle = 0 if got or held else idle + 1
+                rnd.shuffle(held)
+                cut = rnd.randint(0, len(held))
+                if cut:
+                    await c.execute(QUERIES["finish_runs"], {
+                        "ids": [r for r, _ in held[:cut]], "attempts": [a for _, a in held[:cut]],
+                        "outcomes": ["succeeded"] * cut, "results": [Jsonb(None)] * cut,
+                        "errors": [None] * cut, "delays": [0.0] * cut})
+                    held = held[cut:]
+
+    async def main() -> None:
+        sampling = asyncio.create_task(sampler())
+        await asyncio.gather(*(claimer(i) for i in range(16)))
+        done.set()
+        await sampling
+
+    asyncio.run(main())
+    assert violations == []
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE status = 'succeeded'") == 4000
+    # Within each key, the start order (by claim event) is the enqueue order.
+    starts: dict[str, list[int]] = defaultdict(list)
+    for key, n in conn.execute(
+            "SELECT r.serial_key, (r.input ->> 'n')::int FROM runpool.run_events e"
+            " JOIN runpool.runs r ON r.id = e.run_id WHERE e.kind = 'claimed' ORDER BY e.id"):
+        starts[key].append(n)
+    assert all(order == list(range(20)) for order in starts.values()), starts
+
+
+def test_serial_key__depth_behind_a_running_run_costs_the_claim_nothing(
+        conn: psycopg.Connection, dsn: str) -> None:
+    runpool.enqueue_many(conn, [runpool.RunSpec("t", "noop", serial_key="busy")
+                                for _ in range(10_000)])
+    other = runpool.enqueue(conn, "t", "noop", serial_key="other")
+
+    async def claim_all() -> list[uuid.UUID]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            return [r.id for r in await claim(c, worker_id=uuid.uuid4(), limit=50,
+                                              lease_seconds=30)]
+
+    first = asyncio.run(claim_all())
+    assert len(first) == 2 and other in first  # one head per key, nothing more
+    assert asyncio.run(claim_all()) == []
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE held") == 9_999
+
+
+def test_serial_key__worker_killed_holding_a_key_blocks_it_until_reclaimed_and_finished(
+        conn: psycopg.Connection, dsn: str) -> None:
+    first = runpool.enqueue(conn, "t", "sleep", {"seconds": 1}, serial_key="conv")
+    second = runpool.enqueue(conn, "t", "noop", serial_key="conv")
+    with running_pool(dsn, workers=2, lease_seconds=1.5):
+        wait_for(lambda: run_row(conn, first)["status"] == "running", what="claim")
+        pid = scalar(conn, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
+                     " ON r.worker_id = w.id WHERE r.id = %s", first)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: run_row(conn, second)["status"] == "succeeded", timeout=30,
+                 what="second run")
+    a, b = run_row(conn, first), run_row(conn, second)
+    assert (a["status"], a["attempt"]) == ("succeeded", 2)
+    # The second run started only after the first one's reclaimed attempt had finished.
+    assert b["started_at"] >= a["finished_at"]
+    assert events(conn, first) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+
+
+def test_serial_key__cancelling_frees_the_key_and_keeps_the_rest_in_order(
+        conn: psycopg.Connection, dsn: str) -> None:
+    ids = [runpool.enqueue(conn, "t", "hold" if n == 0 else "noop", {"n": n},
+                           serial_key="conv") for n in range(5)]
+    with running_pool(dsn, workers=1, concurrency=4):
+        wait_for(lambda: run_row(conn, ids[0])["status"] == "running", what="head running")
+        assert scalar(conn, "SELECT runpool.cancel_run(%s)", ids[2]) == "cancelled"
+        explained = scalar(conn, "SELECT runpool.explain_run(%s)", ids[1])
+        assert explained["summary"] == (
+            f"waiting for run {ids[0]} of the same serial key conv")
+        assert scalar(conn, "SELECT runpool.cancel_run(%s)", ids[0]) == "cancelling"
+        wait_for(lambda: run_row(conn, ids[4])["status"] == "succeeded", timeout=10,
+                 what="rest of the key")
+    statuses = [run_row(conn, i)["status"] for i in ids]
+    assert statuses == ["cancelled", "succeeded", "cancelled", "succeeded", "succeeded"]
+    started = [run_row(conn, i)["started_at"] for i in (ids[1], ids[3], ids[4])]
+    assert started == sorted(started)
+
+
+def test_serial_key__existing_calls_work_and_bad_keys_are_refused(
+        conn: psycopg.Connection) -> None:
+    # The eight-argument call of the SQL API still works after the migration.
+    scalar(conn, "SELECT runpool.enqueue('t', 'noop', '{}', 0, NULL, NULL, NULL, NULL)")
+    for bad in ("", "k" * 201):
+        with pytest.raises(runpool.InvalidInput, match="serial_key must be 1 to 200"):
+            runpool.enqueue(conn, "t", "noop", serial_key=bad)
+    with pytest.raises(runpool.InvalidInput, match="serial_key contains a NUL"):
+        runpool.enqueue(conn, "t", "noop", serial_key="a\x00b")
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 1
+
+
+def test_serial_key__retry_run_rejoins_the_key_at_the_back(conn: psycopg.Connection) -> None:
+    a = runpool.enqueue(conn, "t", "noop", serial_key="k")
+    b = runpool.enqueue(conn, "t", "noop", serial_key="k")
+    conn.execute("UPDATE runpool.runs SET status = 'failed', finished_at = now(),"
+                 " attempt = 1 WHERE id = %s", (a,))
+    assert run_row(conn, b)["held"] is False  # a's end released b
+    assert scalar(conn, "SELECT runpool.retry_run(%s)", a) == "queued"
+    assert (run_row(conn, a)["held"], run_row(conn, b)["held"]) == (True, False)
