@@ -158,6 +158,38 @@ def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False) -> d
                 "runs_per_s": round(float(row[0]), 1), "enqueue_per_s": round(enqueue_rate, 1)}
 
 
+# Runs of a key that started before an earlier-enqueued run of the same key.
+ORDER_VIOLATIONS: Final = """
+SELECT count(*) FROM (
+    SELECT serial_order < lag(serial_order) OVER (PARTITION BY tenant, serial_key
+                                                  ORDER BY started_at, id) AS backwards
+    FROM runpool.runs WHERE serial_key IS NOT NULL
+) s WHERE backwards
+"""
+
+
+def w10_serial_keys(server: str, *, keys: int = 1000, per_key: int = 20) -> dict[str, Any]:
+    """W10: `keys` serial keys x `per_key` no-op runs, drained by 2 workers x 10."""
+    runs = keys * per_key
+    with scratch_database(server) as dsn, connect(dsn) as conn:
+        started = time.perf_counter()
+        specs = [RunSpec("tenant0", "noop", serial_key=f"conversation-{k}")
+                 for _ in range(per_key) for k in range(keys)]
+        for chunk in range(0, runs, 2000):
+            enqueue_many(conn, specs[chunk:chunk + 2000])
+        conn.commit()
+        enqueue_rate = runs / (time.perf_counter() - started)
+        conn.autocommit = True
+        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
+            _wait(conn, COUNT_DONE, runs, timeout=900)
+        rate = conn.execute(DRAIN_RATE).fetchone()
+        violations = conn.execute(ORDER_VIOLATIONS).fetchone()
+        assert rate is not None and violations is not None
+        return {"workload": "W10", "runs": runs, "keys": keys,
+                "runs_per_s": round(float(rate[0]), 1), "enqueue_per_s": round(enqueue_rate, 1),
+                "order_violations": int(violations[0])}
+
+
 def w2_latency(server: str, *, runs: int = 300, gap: float = 0.02) -> dict[str, Any]:
     """W2: idle pool; runs enqueued one at a time; enqueue commit -> handler start."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
@@ -379,6 +411,7 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W7": w7_checkpoint_cost,
     "W8": w8_resume_cost,
     "W9": w9_cancel_latency,
+    "W10": w10_serial_keys,
 }
 
 

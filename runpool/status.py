@@ -61,6 +61,11 @@ FROM runpool.workers w
 WHERE w.stopped_at IS NULL AND w.last_seen_at > now() - interval '2 minutes'
 ORDER BY w.started_at
 """
+# Serial keys with the longest line of waiting runs.
+SERIAL_BACKLOG: Final = """
+SELECT tenant, serial_key, count(*) AS waiting FROM runpool.runs WHERE held
+GROUP BY tenant, serial_key ORDER BY waiting DESC, tenant, serial_key LIMIT 10
+"""
 # One run's story: its events, conversation and tool calls.
 EVENTS: Final = """
 SELECT at, kind, attempt, worker_id, detail FROM runpool.run_events
@@ -116,6 +121,7 @@ def collect(conn: psycopg.Connection[Any], *, window_seconds: float = 3600,
         "latency": {"window_s": window_seconds, "finished_runs": latency["runs"],
                     **percentiles},
         "workers": _rows(conn, WORKERS),
+        "serial_backlog": _rows(conn, SERIAL_BACKLOG),
     }
 
 
@@ -148,6 +154,10 @@ def render(report: dict[str, Any]) -> str:
         for f in report["failures"]:
             out.append(f"  {f['id']}  {f['tenant'][:16]:<16} {f['handler'][:16]:<16}"
                        f" {f['reason']}: {(f['message'] or '')[:80]}")
+    if report["serial_backlog"]:
+        out += ["", "serial keys with the longest backlog (runs waiting behind a running one):"]
+        out += [f"  {k['tenant'][:16]:<16} {k['serial_key'][:40]:<40} {k['waiting']} waiting"
+                for k in report["serial_backlog"]]
     out += ["", f"live workers: {len(report['workers'])}"]
     for w in report["workers"]:
         out.append(f"  {w['id']}  {w['host']}:{w['pid']}  running {w['running']}"
