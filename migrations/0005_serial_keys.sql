@@ -29,37 +29,27 @@ CREATE FUNCTION runpool._lock_serial_key(tenant text, serial_key text) RETURNS v
 LANGUAGE sql SECURITY DEFINER SET search_path = runpool, pg_catalog, pg_temp
 AS $$ SELECT pg_advisory_xact_lock(hashtextextended(tenant || chr(31) || serial_key, 7370)) $$;
 
--- Release the next waiting run of a key whose head just ended (under the key's lock, and in a
--- statement of its own so it sees every enqueue committed before the lock was granted).
-CREATE FUNCTION runpool._release_next(tenant text, serial_key text) RETURNS void
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = runpool, pg_catalog, pg_temp
-AS $$
-#variable_conflict use_column
-BEGIN
-    PERFORM runpool._lock_serial_key(_release_next.tenant, _release_next.serial_key);
-    IF EXISTS (SELECT 1 FROM runpool.runs r
-               WHERE r.tenant = _release_next.tenant AND r.serial_key = _release_next.serial_key
-                 AND r.status IN ('queued', 'running') AND NOT r.held) THEN
-        RETURN;  -- the key still has a head
-    END IF;
-    UPDATE runpool.runs r SET held = false
-    WHERE r.id = (SELECT n.id FROM runpool.runs n
-                  WHERE n.tenant = _release_next.tenant AND n.serial_key = _release_next.serial_key
-                    AND n.held
-                  ORDER BY n.serial_order LIMIT 1);
-    IF FOUND THEN
-        PERFORM pg_notify('runpool_wakeup', '');
-    END IF;
-END
-$$;
-
--- Every path that ends a keyed run (finish, reap, release, cancel, a manual UPDATE) releases
--- the next one. A row trigger with a WHEN clause costs unkeyed runs nothing.
+-- When a keyed run ends (finish, reap, release, cancel, even a manual UPDATE), release the
+-- next waiting run of its key. A row trigger whose WHEN clause is checked before any function
+-- call, so unkeyed runs pay nothing. The key's lock comes first and the release is a statement
+-- of its own, so it sees every enqueue committed before the lock was granted.
 CREATE FUNCTION runpool._serial_key_ended() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = runpool, pg_catalog, pg_temp
 AS $$
 BEGIN
-    PERFORM runpool._release_next(NEW.tenant, NEW.serial_key);
+    PERFORM runpool._lock_serial_key(NEW.tenant, NEW.serial_key);
+    UPDATE runpool.runs r SET held = false
+    WHERE r.id = (SELECT w.id FROM runpool.runs w
+                  WHERE w.tenant = NEW.tenant AND w.serial_key = NEW.serial_key AND w.held
+                  ORDER BY w.serial_order LIMIT 1)
+      AND NOT EXISTS (SELECT 1 FROM runpool.runs a
+                      WHERE a.tenant = NEW.tenant AND a.serial_key = NEW.serial_key
+                        AND a.status IN ('queued', 'running') AND NOT a.held);
+    -- A worker ending a run claims again right away; anyone else (an API cancelling a run,
+    -- say) rings the doorbell so the released run starts now rather than at the next poll.
+    IF FOUND AND current_setting('runpool.session', true) IS DISTINCT FROM 'worker' THEN
+        PERFORM pg_notify('runpool_wakeup', '');
+    END IF;
     RETURN NULL;
 END
 $$;
@@ -341,7 +331,6 @@ $$;
 REVOKE ALL ON FUNCTION
     runpool.enqueue(text, text, jsonb, integer, text, timestamptz, integer, text, text),
     runpool._lock_serial_key(text, text),
-    runpool._release_next(text, text),
     runpool._serial_key_ended()
 FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION

@@ -34,6 +34,9 @@ _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 # The queue's statements are short index probes: JIT compilation (which a cost estimate on
 # young statistics can trigger) would cost a hundred times the query.
 NO_JIT: Final = "SET jit = off"
+# Marks a worker's session: a worker that ends a run claims again at once, so releasing the
+# next run of a serial key from its session needs no doorbell.
+WORKER_SESSION: Final = "SET runpool.session = 'worker'"
 
 
 def dumps(value: Any) -> bytes:
@@ -80,6 +83,7 @@ async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
     # explicit transaction.
     await conn.set_autocommit(True)
     await conn.execute(NO_JIT)
+    await conn.execute(WORKER_SESSION)
 
 
 async def open_pool(dsn: str, *, size: int, name: str) -> AsyncConnectionPool:

@@ -213,6 +213,9 @@ class Worker:
     # -- executing ---------------------------------------------------------------------------
 
     async def _execute(self, slot: _Slot) -> None:
+        if not telemetry.enabled():
+            await self._execute_traced(slot, None)
+            return
         c = slot.claimed
         with telemetry.process_span(c.id, c.tenant, c.handler, c.attempt, c.traceparent) as span:
             await self._execute_traced(slot, span)
@@ -238,7 +241,10 @@ class Worker:
                     # Our own retry is due after its backoff: look again then, not at the poll.
                     asyncio.get_running_loop().call_later(
                         outcome.retry_delay, self._attention.set)
-                logger.info(
+                # Per-run success is DEBUG (run_events has every run's story); anything
+                # else is worth an operator's eye.
+                logger.log(
+                    logging.DEBUG if status == "succeeded" else logging.INFO,
                     "run %s attempt %d: %s", slot.claimed.id, slot.claimed.attempt,
                     status or "fenced (lease lost)",
                     extra={"action": "run_finished" if status else "outcome_fenced",
