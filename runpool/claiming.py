@@ -46,13 +46,16 @@ async def claim(
     limit: int,
     lease_seconds: float,
     touch: bool = False,
+    reap_expired: bool = True,
 ) -> list[ClaimedRun]:
     """Claim up to `limit` runs in one short transaction (never held across handler code).
 
     The tenant locks make quotas exact under any number of concurrent claimers; the claim
     statement runs after them so its snapshot already sees every earlier claimer's commit.
     With `touch`, the worker's liveness is recorded in the same transaction, so an idle worker
-    costs one transaction per poll and no more.
+    costs one transaction per poll and no more. `reap_expired` returns expired leases to the
+    queue first (a busy worker need not do it on every claim: an expired lease never counts
+    against a quota, it only waits to be claimable again).
     """
     if limit <= 0:
         return []
@@ -60,7 +63,8 @@ async def claim(
     # COMMIT in a second.
     async with conn.pipeline():
         async with conn.transaction():
-            await conn.execute(QUERIES["reap_expired"])
+            if reap_expired:
+                await conn.execute(QUERIES["reap_expired"])
             if touch:
                 await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
             cur = await conn.execute(QUERIES["lock_tenants"])

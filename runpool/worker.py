@@ -38,6 +38,9 @@ __all__ = ["Worker"]
 
 logger = logging.getLogger("runpool.worker")
 
+# Seconds between reaps of expired leases by one busy worker (every claim when idle-polling).
+REAP_INTERVAL = 1.0
+
 
 @dataclass(slots=True)
 class _Slot:
@@ -82,6 +85,7 @@ class Worker:
         self._pool: AsyncConnectionPool | None = None
         self._outcomes: OutcomeWriter | None = None
         self._last_touch = 0.0
+        self._last_reap = 0.0
         # Cancel notices for runs not (yet) in a slot, by arrival time.
         self._early_cancels: dict[uuid.UUID, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -193,11 +197,16 @@ class Worker:
         assert self._pool is not None
         sent = time.monotonic()
         touch = sent - self._last_touch > self.settings.heartbeat_seconds
+        # Reclaiming within a second of expiry is plenty; a claim every few ms need not reap.
+        reap = sent - self._last_reap > REAP_INTERVAL
         async with self._pool.connection() as conn:
             claimed = await claim(conn, worker_id=self.id, limit=limit,
-                                  lease_seconds=self.settings.lease_seconds, touch=touch)
+                                  lease_seconds=self.settings.lease_seconds, touch=touch,
+                                  reap_expired=reap)
         if touch:
             self._last_touch = sent
+        if reap:
+            self._last_reap = sent
         return claimed
 
     def _start(self, c: ClaimedRun) -> None:
