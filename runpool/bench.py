@@ -13,7 +13,7 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
@@ -24,9 +24,7 @@ from .app import App
 from .context import Run
 from .db import connect
 from .embedded import resolve_dsn
-from .enqueue import RunSpec, enqueue, enqueue_many
 from .migrate import migrate
-from .pool_process import pool_process
 from .settings import Settings
 
 __all__ = ["app", "run_bench"]
@@ -119,7 +117,7 @@ def scratch_database(server_dsn: str) -> Iterator[str]:
             admin.execute(drop)
 
 
-def _wait(conn: psycopg.Connection[Any], query: Any, target: int, timeout: float) -> None:
+def wait_until(conn: psycopg.Connection[Any], query: Any, target: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         row = conn.execute(query).fetchone()
@@ -130,289 +128,8 @@ def _wait(conn: psycopg.Connection[Any], query: Any, target: int, timeout: float
         time.sleep(0.05)
 
 
-def _pct(values: list[float], q: int) -> float:
+def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
-def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False) -> dict[str, Any]:
-    """W1: `runs` no-op runs enqueued in bulk, drained by 2 workers x 10."""
-    with scratch_database(server) as dsn, connect(dsn) as conn:
-        tenants = 4 if quotas else 1
-        if quotas:
-            for t in range(tenants):
-                conn.execute("SELECT runpool.set_tenant_quota(%s, 5)", (f"tenant{t}",))
-            conn.commit()
-        started = time.perf_counter()
-        for chunk in range(0, runs, 2000):
-            enqueue_many(conn, [
-                RunSpec(f"tenant{i % tenants}", "noop", priority=(i % 7) - 3 if quotas else 0)
-                for i in range(chunk, min(chunk + 2000, runs))])
-        conn.commit()
-        enqueue_rate = runs / (time.perf_counter() - started)
-        conn.autocommit = True
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
-            _wait(conn, COUNT_DONE, runs, timeout=600)
-        row = conn.execute(DRAIN_RATE).fetchone()
-        assert row is not None
-        return {"workload": "W1q" if quotas else "W1", "runs": runs,
-                "runs_per_s": round(float(row[0]), 1), "enqueue_per_s": round(enqueue_rate, 1)}
-
-
-# Runs of a key that started before an earlier-enqueued run of the same key.
-ORDER_VIOLATIONS: Final = """
-SELECT count(*) FROM (
-    SELECT serial_order < lag(serial_order) OVER (PARTITION BY tenant, serial_key
-                                                  ORDER BY started_at, id) AS backwards
-    FROM runpool.runs WHERE serial_key IS NOT NULL
-) s WHERE backwards
-"""
-
-
-def w10_serial_keys(server: str, *, keys: int = 1000, per_key: int = 20) -> dict[str, Any]:
-    """W10: `keys` serial keys x `per_key` no-op runs, drained by 2 workers x 10."""
-    runs = keys * per_key
-    with scratch_database(server) as dsn, connect(dsn) as conn:
-        started = time.perf_counter()
-        specs = [RunSpec("tenant0", "noop", serial_key=f"conversation-{k}")
-                 for _ in range(per_key) for k in range(keys)]
-        for chunk in range(0, runs, 2000):
-            enqueue_many(conn, specs[chunk:chunk + 2000])
-        conn.commit()
-        enqueue_rate = runs / (time.perf_counter() - started)
-        conn.autocommit = True
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
-            _wait(conn, COUNT_DONE, runs, timeout=900)
-        rate = conn.execute(DRAIN_RATE).fetchone()
-        violations = conn.execute(ORDER_VIOLATIONS).fetchone()
-        assert rate is not None and violations is not None
-        return {"workload": "W10", "runs": runs, "keys": keys,
-                "runs_per_s": round(float(rate[0]), 1), "enqueue_per_s": round(enqueue_rate, 1),
-                "order_violations": int(violations[0])}
-
-
-def w2_latency(server: str, *, runs: int = 300, gap: float = 0.02) -> dict[str, Any]:
-    """W2: idle pool; runs enqueued one at a time; enqueue commit -> handler start."""
-    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
-            _wait(conn, LIVE_WORKERS, 2, timeout=60)
-            warm = enqueue(conn, "bench", "stamp")
-            _wait(conn, COUNT_DONE, 1, timeout=60)
-            # Per run: when the enqueue call began, and when its commit was acknowledged.
-            sent: dict[uuid.UUID, tuple[float, float]] = {}
-            for _ in range(runs):
-                t0 = time.time()
-                run_id = enqueue(conn, "bench", "stamp")  # autocommit: returns after COMMIT
-                sent[run_id] = (t0, time.time())
-                time.sleep(gap)
-            _wait(conn, COUNT_DONE, runs + 1, timeout=120)
-        started = dict(conn.execute(
-            "SELECT id, result FROM runpool.runs WHERE id <> %s", (warm,)).fetchall())
-    latencies = [(float(started[i]) - acked) * 1000 for i, (_, acked) in sent.items()]
-    # The stricter view: from the moment the enqueue call began (includes its own statement).
-    from_call = [(float(started[i]) - t0) * 1000 for i, (t0, _) in sent.items()]
-    return {"workload": "W2", "runs": runs, "p50_ms": round(_pct(latencies, 50), 2),
-            "p99_ms": round(_pct(latencies, 99), 2), "max_ms": round(max(latencies), 2),
-            "p50_from_call_ms": round(_pct(from_call, 50), 2),
-            "p99_from_call_ms": round(_pct(from_call, 99), 2)}
-
-
-def w3_idle(server: str, *, seconds: float = 60.0) -> dict[str, Any]:
-    """W3: an idle pool of 2 workers with default settings; database transactions per second."""
-    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn, \
-            connect(server, autocommit=True) as stats:
-        name = conninfo_to_dict(dsn)["dbname"]
-        with pool_process(dsn, "runpool.bench:app", workers=2):
-            _wait(conn, LIVE_WORKERS, 2, timeout=60)
-            conn.close()
-            time.sleep(12)  # past startup, and past the stats collector's idle flush delay
-            stats.execute(CLEAR_SNAPSHOT)
-            before = stats.execute(XACTS, (name,)).fetchone()
-            t0 = time.monotonic()
-            time.sleep(seconds)
-            stats.execute(CLEAR_SNAPSHOT)
-            after = stats.execute(XACTS, (name,)).fetchone()
-            elapsed = time.monotonic() - t0
-    assert before is not None and after is not None
-    return {"workload": "W3", "seconds": seconds,
-            "xact_per_s": round((after[0] - before[0]) / elapsed, 3)}
-
-
-def _w5_waits(server: str, burst: list[RunSpec], watch: set[str]) -> dict[str, float]:
-    """p95 wait (enqueue -> start) per watched tenant, for one burst on a fresh pool."""
-    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10, tenant_quota=5):
-            _wait(conn, LIVE_WORKERS, 2, timeout=60)
-            enqueue_many(conn, burst)
-            _wait(conn, COUNT_DONE, len(burst), timeout=600)
-        waits: dict[str, list[float]] = {}
-        for tenant, wait in conn.execute(
-                "SELECT tenant, extract(epoch FROM started_at - created_at) FROM runpool.runs"):
-            waits.setdefault(tenant, []).append(float(wait))
-    return {t: _pct(waits[t], 95) for t in watch}
-
-
-def w5_fairness(server: str, *, small: int = 40, seconds: float = 0.05) -> dict[str, Any]:
-    """W5: 4 tenants, one enqueues 10x the others in one burst (first in line); each small
-    tenant's p95 wait versus its p95 wait running alone. Default quota 5, 2 workers x 10."""
-    smalls = ["small1", "small2", "small3"]
-    alone = _w5_waits(server, [RunSpec("small1", "sleep", {"seconds": seconds})
-                               for _ in range(small)], {"small1"})["small1"]
-    burst = [RunSpec("big", "sleep", {"seconds": seconds}) for _ in range(small * 10)]
-    burst += [RunSpec(t, "sleep", {"seconds": seconds}) for _ in range(small) for t in smalls]
-    shared = _w5_waits(server, burst, set(smalls))
-    worst = max(shared.values())
-    return {"workload": "W5", "alone_p95_s": round(alone, 3),
-            "shared_p95_s": {t: round(v, 3) for t, v in sorted(shared.items())},
-            "worst_ratio": round(worst / alone, 2)}
-
-
-# Bench setup only (W1 measures enqueue): load a backlog straight into the table, one tenant
-# holding 90% of it with ranks ahead of everyone else's.
-LOAD_BACKLOG: Final = """
-INSERT INTO runpool.runs (tenant, handler, rank, max_attempts)
-SELECT CASE WHEN g <= %(big)s THEN 'flood' ELSE 'small' || (g %% 9) END, 'noop',
-       extract(epoch FROM now()) - 1e6 + g * 1e-3, 3
-FROM generate_series(1, %(depth)s) g
-"""
-LOAD_TENANTS: Final = """
-INSERT INTO runpool.tenants (tenant, max_running)
-SELECT 'small' || g, NULL FROM generate_series(0, 8) g
-UNION ALL SELECT 'flood', 10
-"""
-
-
-async def _claim_latencies(dsn: str, claims: int) -> list[float]:
-    from .claiming import claim
-    from .db import aconnect
-    from .queries import QUERIES
-
-    worker = uuid.uuid4()
-    times = []
-    async with await aconnect(dsn, autocommit=True) as conn:
-        await claim(conn, worker_id=worker, limit=10, lease_seconds=3600)  # flood at quota
-        for _ in range(claims):
-            t0 = time.perf_counter()
-            got = await claim(conn, worker_id=worker, limit=10, lease_seconds=3600)
-            times.append((time.perf_counter() - t0) * 1000)
-            # Put them back in line (rank kept): the depth stays what it was, and no tenant's
-            # queue runs dry, which would make later claims cheaper than the first.
-            await conn.execute(QUERIES["release_runs"], {
-                "ids": [r.id for r in got], "attempts": [r.attempt for r in got],
-                "worker_id": worker})
-    return times
-
-
-def w6_claim_depth(server: str, *, claims: int = 300) -> dict[str, Any]:
-    """W6: claim latency at 1k / 100k / 1M queued runs, 90% of them one tenant's at quota."""
-    out: dict[str, Any] = {"workload": "W6"}
-    for label, depth in (("1k", 1_000), ("100k", 100_000), ("1m", 1_000_000)):
-        with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-            conn.execute(LOAD_TENANTS)
-            conn.execute(LOAD_BACKLOG, {"depth": depth, "big": depth * 9 // 10})
-            conn.execute("VACUUM ANALYZE runpool.runs")
-            times = asyncio.run(_claim_latencies(dsn, claims))
-        out[f"p50_ms_{label}"] = round(_pct(times, 50), 3)
-        out[f"p99_ms_{label}"] = round(_pct(times, 99), 3)
-    out["p50_ratio_1m_to_1k"] = round(out["p50_ms_1m"] / out["p50_ms_1k"], 2)
-    return out
-
-
-def w7_checkpoint_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
-    """W7: one run making `calls` no-op tool calls; checkpoint overhead per call."""
-    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        run_id = enqueue(conn, "bench", "tool_loop", {"calls": calls})
-        with pool_process(dsn, "runpool.bench:app", workers=1, concurrency=1):
-            _wait(conn, COUNT_DONE, 1, timeout=600)
-        row = conn.execute("SELECT result FROM runpool.runs WHERE id = %s", (run_id,)).fetchone()
-    assert row is not None
-    overheads = row[0]["overheads_ms"]
-    return {"workload": "W7", "calls": calls, "p50_ms": round(_pct(overheads, 50), 3),
-            "p99_ms": round(_pct(overheads, 99), 3)}
-
-
-# Bytes one run's checkpoints take: its messages and tool calls, row by row.
-RUN_BYTES: Final = """
-SELECT (SELECT coalesce(sum(pg_column_size(m.*)), 0) FROM runpool.messages m
-        WHERE m.run_id = %(id)s)
-     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM runpool.tool_calls t
-        WHERE t.run_id = %(id)s)
-"""
-
-
-def w8_resume_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
-    """W8: a run with `calls` committed calls is reclaimed; time from its claim to the first
-    new tool call, and checkpoint bytes per call at 10 and `calls` calls."""
-    out: dict[str, Any] = {"workload": "W8", "calls": calls}
-    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        small = enqueue(conn, "bench", "tool_loop", {"calls": 10})
-        big = enqueue(conn, "bench", "tool_loop", {"calls": calls, "crash": True})
-        with pool_process(dsn, "runpool.bench:app", workers=1, concurrency=2,
-                          lease_seconds=2):
-            _wait(conn, COUNT_DONE, 2, timeout=600)
-        row = conn.execute(
-            "SELECT result, extract(epoch FROM started_at) FROM runpool.runs WHERE id = %s",
-            (big,)).fetchone()
-        assert row is not None
-        result, claimed = row
-        out["resume_ms"] = round((result["first_new_call"] - float(claimed)) * 1000, 2)
-        out["handler_start_to_first_new_call_ms"] = round(
-            (result["first_new_call"] - result["handler_started"]) * 1000, 2)
-        for label, run_id, n in (("10", small, 10), (str(calls), big, calls + 1)):
-            size = conn.execute(RUN_BYTES, {"id": run_id}).fetchone()
-            assert size is not None
-            out[f"bytes_per_call_at_{label}"] = round(int(size[0]) / n, 1)
-    return out
-
-
-RUNNING: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'running'"
-CANCELLED: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'cancelled'"
-
-
-def _cancel_latencies(server: str, *, rounds: int, per_round: int, **settings: Any
-                      ) -> list[float]:
-    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        latencies: list[float] = []
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=per_round // 2,
-                          **settings):
-            _wait(conn, LIVE_WORKERS, 2, timeout=60)
-            for r in range(rounds):
-                ids = [enqueue(conn, "bench", "await_cancel") for _ in range(per_round)]
-                _wait(conn, RUNNING, per_round, timeout=120)
-                committed = {}
-                for run_id in ids:
-                    conn.execute("SELECT runpool.cancel_run(%s, 'bench')", (run_id,))
-                    committed[run_id] = time.time()  # autocommit: returns after COMMIT
-                _wait(conn, CANCELLED, per_round * (r + 1), timeout=120)
-                for run_id, content in conn.execute(
-                        "SELECT run_id, content FROM runpool.messages WHERE run_id = ANY(%s)",
-                        (ids,)):
-                    latencies.append((content["seen"] - committed[run_id]) * 1000)
-    return latencies
-
-
-def w9_cancel_latency(server: str) -> dict[str, Any]:
-    """W9: cancel_run commit -> the handler seeing the cancellation; 200 running runs with
-    LISTEN, and 20 with LISTEN off (the heartbeat must bring it, default lease 30 s)."""
-    notified = _cancel_latencies(server, rounds=10, per_round=20)
-    polled = _cancel_latencies(server, rounds=1, per_round=20, listen=0)
-    return {"workload": "W9", "cancels": len(notified),
-            "p50_ms": round(_pct(notified, 50), 2), "p99_ms": round(_pct(notified, 99), 2),
-            "no_listen_cancels": len(polled), "no_listen_max_ms": round(max(polled), 1),
-            "no_listen_heartbeat_s": 10.0}
-
-
-WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
-    "W1": w1_throughput,
-    "W1q": lambda server: w1_throughput(server, quotas=True),
-    "W2": w2_latency,
-    "W3": w3_idle,
-    "W5": w5_fairness,
-    "W6": w6_claim_depth,
-    "W7": w7_checkpoint_cost,
-    "W8": w8_resume_cost,
-    "W9": w9_cancel_latency,
-    "W10": w10_serial_keys,
-}
 
 
 def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -427,6 +144,8 @@ def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_bench(settings: Settings, workloads: list[str] | None, *, repeat: int = 1) -> int:
     server = resolve_dsn(settings)
+    from .workloads import WORKLOADS
+
     names = workloads or list(WORKLOADS)
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:

@@ -1,9 +1,12 @@
-"""Writes finished attempts in batches: one statement for every outcome ready at the time."""
+"""What a finished attempt amounts to (an Outcome), and the writer that records outcomes in
+batches: one statement for every outcome ready at the time."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import traceback
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -12,9 +15,11 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from .db import dumps, loads
+from .errors import Fail, InvalidInput, ToolOutcomeUnknown
 from .queries import QUERIES
 
-__all__ = ["Outcome", "OutcomeWriter"]
+__all__ = ["Outcome", "OutcomeWriter", "error_doc", "from_exception", "from_result"]
 
 logger = logging.getLogger("runpool.outcomes")
 
@@ -34,6 +39,52 @@ class Outcome:
     result: bytes | None = None
     error: bytes | None = None
     retry_delay: float = 0.0
+
+    @property
+    def reason(self) -> str | None:
+        return str(loads(self.error).get("reason")) if self.error else None
+
+
+def error_doc(reason: str, message: str, **more: Any) -> bytes:
+    """An error document that is always storable, whatever the exception text holds."""
+    def clean(text: str) -> str:
+        return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")[:4000]
+
+    doc = {"reason": reason, "message": clean(message)}
+    doc.update({k: clean(str(v)) for k, v in more.items()})
+    return dumps(doc)
+
+
+def failed(run_id: uuid.UUID, attempt: int, reason: str, message: str, **more: Any) -> Outcome:
+    return Outcome(run_id, attempt, "failed", error=error_doc(reason, message, **more))
+
+
+def from_result(run_id: uuid.UUID, attempt: int, result: Any) -> Outcome:
+    try:
+        return Outcome(run_id, attempt, "succeeded", result=dumps(result))
+    except InvalidInput as exc:
+        return failed(run_id, attempt, "result_not_serializable",
+                      f"the handler's result cannot be stored: {exc}")
+
+
+def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_used: int,
+                   backoff: float, no_retry: tuple[type[BaseException], ...]) -> Outcome:
+    """A handler's exception: fail now when retrying cannot help, else retry after an
+    exponential backoff with jitter (capped at an hour)."""
+    if isinstance(exc, Fail):
+        return failed(run_id, attempt, "failed", exc.reason)
+    if isinstance(exc, ToolOutcomeUnknown):
+        # Retrying would meet the same unknown outcome: the handler had to handle it.
+        return failed(run_id, attempt, "tool_outcome_unknown", str(exc))
+    if isinstance(exc, InvalidInput):
+        # Bad data from the handler fails the same way on every attempt: no retry storm.
+        return failed(run_id, attempt, "invalid_input", str(exc))
+    if no_retry and isinstance(exc, no_retry):
+        return failed(run_id, attempt, "non_retryable", str(exc), type=type(exc).__name__)
+    delay = backoff * 2 ** max(attempts_used - 1, 0) * random.uniform(0.75, 1.25)
+    return Outcome(run_id, attempt, "retry", retry_delay=min(delay, 3600.0),
+                   error=error_doc("exception", str(exc), type=type(exc).__name__,
+                                   traceback="".join(traceback.format_exception(exc)[-5:])))
 
 
 class OutcomeWriter:

@@ -12,10 +12,7 @@ import os
 import random
 import socket
 import time
-import traceback
 import uuid
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -23,16 +20,18 @@ from psycopg_pool import AsyncConnectionPool
 
 import checkpoints
 
-from . import telemetry
+from . import outcomes, telemetry
 from .app import App
+from .cancellation import Canceller
 from .claiming import ClaimedRun, claim
 from .context import Run
-from .db import dumps, loads, open_pool
+from .db import open_pool
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
 from .listener import Listener
 from .outcomes import Outcome, OutcomeWriter
 from .queries import QUERIES
 from .settings import Settings
+from .slot import Slot
 
 __all__ = ["Worker"]
 
@@ -42,53 +41,20 @@ logger = logging.getLogger("runpool.worker")
 REAP_INTERVAL = 1.0
 
 
-@dataclass(slots=True)
-class _Slot:
-    """A run in progress. Written by the worker loop, heartbeat and cancel paths, all on the
-    worker's one event loop, so no locking is needed."""
-
-    claimed: ClaimedRun
-    run: Run
-    # Monotonic time after which the lease may have expired in the database.
-    deadline: float
-    task: asyncio.Task[None] | None = None
-    # Why the worker cancelled the task: lease_lost, cancelled or shutdown.
-    stop_reason: str | None = None
-    # The outcome is being written; the heartbeat must not mistake it for a lost lease.
-    finishing: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
-
-
-def _error(reason: str, message: str, **more: Any) -> bytes:
-    """An error document that is always storable, whatever the exception text holds."""
-    def clean(text: str) -> str:
-        return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")[:4000]
-
-    doc = {"reason": reason, "message": clean(message)}
-    doc.update({k: clean(str(v)) for k, v in more.items()})
-    return dumps(doc)
-
-
-def _reason(outcome: Outcome) -> str | None:
-    return str(loads(outcome.error).get("reason")) if outcome.error else None
-
-
 class Worker:
     def __init__(self, settings: Settings, app: App, dsn: str) -> None:
         self.id = uuid.uuid4()
         self.settings = settings
         self.app = app
         self.dsn = dsn
-        self.slots: dict[uuid.UUID, _Slot] = {}
+        self.slots: dict[uuid.UUID, Slot] = {}
         # Set by the listener, a freed slot and stop requests; the loop re-checks everything.
         self._attention = asyncio.Event()
         self._pool: AsyncConnectionPool | None = None
         self._outcomes: OutcomeWriter | None = None
         self._last_touch = 0.0
         self._last_reap = 0.0
-        # Cancel notices for runs not (yet) in a slot, by arrival time.
-        self._early_cancels: dict[uuid.UUID, float] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.cancels = Canceller(self)
         self.listener: Listener | None = None
         self._log = {"worker_id": str(self.id)}
 
@@ -107,7 +73,7 @@ class Worker:
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             if s.listen:
                 self.listener = Listener(
-                    self.dsn, self._attention, self._on_cancel_notice, worker_id=self.id
+                    self.dsn, self._attention, self.cancels.on_notice, worker_id=self.id
                 )
                 side.append(asyncio.create_task(self.listener.run(), name="listener"))
             logger.info(
@@ -162,8 +128,9 @@ class Worker:
     # -- claiming ----------------------------------------------------------------------------
 
     def _poll_delay(self) -> float:
-        # Jitter spreads the polls of many workers so they do not arrive together.
-        return self.settings.poll_seconds * random.uniform(0.8, 1.2)
+        # Jitter spreads the polls of many workers so they do not arrive together; upwards
+        # only, so an idle pool never polls more often than RUNPOOL_POLL_SECONDS says.
+        return self.settings.poll_seconds * random.uniform(1.0, 1.25)
 
     async def _loop(self, stop: asyncio.Event) -> None:
         next_poll = time.monotonic() + self._poll_delay()
@@ -212,16 +179,15 @@ class Worker:
     def _start(self, c: ClaimedRun) -> None:
         run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=c.input,
                   pool=self._pool, max_message_bytes=self.settings.max_message_bytes)
-        slot = _Slot(c, run, deadline=time.monotonic() + self.settings.lease_seconds,
+        slot = Slot(c, run, deadline=time.monotonic() + self.settings.lease_seconds,
                      extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
         self.slots[c.id] = slot
         slot.task = asyncio.create_task(self._execute(slot), name=f"run-{c.id}")
-        if self._early_cancels.pop(c.id, None) is not None:
-            self._background(self._confirm_cancel(c.id))
+        self.cancels.on_start(c.id)
 
     # -- executing ---------------------------------------------------------------------------
 
-    async def _execute(self, slot: _Slot) -> None:
+    async def _execute(self, slot: Slot) -> None:
         if not telemetry.enabled():
             await self._execute_traced(slot, None)
             return
@@ -229,7 +195,7 @@ class Worker:
         with telemetry.process_span(c.id, c.tenant, c.handler, c.attempt, c.traceparent) as span:
             await self._execute_traced(slot, span)
 
-    async def _execute_traced(self, slot: _Slot, span: Any) -> None:
+    async def _execute_traced(self, slot: Slot, span: Any) -> None:
         try:
             try:
                 outcome = await self._call(slot)
@@ -237,11 +203,11 @@ class Worker:
                 # A bug of ours must end the run visibly, not leave it to a lease expiry.
                 logger.exception("internal error running %s", slot.claimed.id,
                                  extra={"action": "run_internal_error", **slot.extra})
-                outcome = Outcome(slot.claimed.id, slot.claimed.attempt, "failed",
-                                  error=_error("internal_error", repr(exc)))
+                outcome = outcomes.failed(slot.claimed.id, slot.claimed.attempt,
+                                          "internal_error", repr(exc))
             if span is not None:
                 telemetry.finish(span, *((slot.stop_reason or "abandoned", None)
-                                         if outcome is None else (outcome.kind, _reason(outcome))))
+                                         if outcome is None else (outcome.kind, outcome.reason)))
             if outcome is not None:
                 slot.finishing = True
                 assert self._outcomes is not None
@@ -264,14 +230,14 @@ class Worker:
                 del self.slots[slot.claimed.id]
             self._attention.set()
 
-    async def _call(self, slot: _Slot) -> Outcome | None:
+    async def _call(self, slot: Slot) -> Outcome | None:
         c, run = slot.claimed, slot.run
         handler = self.app.get(c.handler)
         if handler is None:
-            return Outcome(c.id, c.attempt, "failed", error=_error(
-                "unknown_handler",
+            return outcomes.failed(
+                c.id, c.attempt, "unknown_handler",
                 f"no handler named {c.handler!r} is registered on this worker"
-                f" (known: {', '.join(self.app.names) or 'none'})"))
+                f" (known: {', '.join(self.app.names) or 'none'})")
         try:
             if c.attempt > 1:
                 await self._resume(slot)
@@ -290,45 +256,27 @@ class Worker:
             # The run is someone else's now; nothing of this attempt may be written.
             self._abandon(slot, "a checkpoint write found the lease taken", cancel=False)
             return None
-        except Fail as exc:
-            return Outcome(c.id, c.attempt, "failed", error=_error("failed", exc.reason))
-        except ToolOutcomeUnknown as exc:
-            # Retrying would meet the same unknown outcome: the handler had to handle it.
-            return Outcome(c.id, c.attempt, "failed", error=_error("tool_outcome_unknown",
-                                                                     str(exc)))
-        except InvalidInput as exc:
-            # Bad data from the handler fails the same way on every attempt: no retry storm.
-            return Outcome(c.id, c.attempt, "failed", error=_error("invalid_input", str(exc)))
         except Exception as exc:
-            if handler.no_retry and isinstance(exc, handler.no_retry):
-                return Outcome(c.id, c.attempt, "failed",
-                               error=_error("non_retryable", str(exc), type=type(exc).__name__))
-            delay = self.settings.retry_backoff_seconds * 2 ** max(
-                c.attempt - c.attempt_offset - 1, 0) * random.uniform(0.75, 1.25)
-            logger.warning("run %s raised %s", c.id, type(exc).__name__,
-                           extra={"action": "run_raised", **slot.extra})
-            return Outcome(c.id, c.attempt, "retry", retry_delay=min(delay, 3600.0),
-                           error=_error("exception", str(exc), type=type(exc).__name__,
-                                        traceback="".join(traceback.format_exception(exc)[-5:])))
+            if not isinstance(exc, Fail | InvalidInput | ToolOutcomeUnknown):
+                logger.warning("run %s raised %s", c.id, type(exc).__name__,
+                               extra={"action": "run_raised", **slot.extra})
+            return outcomes.from_exception(
+                c.id, c.attempt, exc, attempts_used=c.attempt - c.attempt_offset,
+                backoff=self.settings.retry_backoff_seconds, no_retry=handler.no_retry)
         if run.cancelled:
             return self._cancelled_outcome(slot)
-        try:
-            data = dumps(result)
-        except InvalidInput as exc:
-            return Outcome(c.id, c.attempt, "failed", error=_error(
-                "result_not_serializable", f"the handler's result cannot be stored: {exc}"))
-        return Outcome(c.id, c.attempt, "succeeded", result=data)
+        return outcomes.from_result(c.id, c.attempt, result)
 
-    async def _resume(self, slot: _Slot) -> None:
+    async def _resume(self, slot: Slot) -> None:
         """Restore what earlier attempts committed: resuming reads rows, it replays nothing."""
         assert self._pool is not None
         async with self._pool.connection() as conn:
             messages, calls = await checkpoints.load(conn, slot.claimed.id)
         slot.run._restore(messages, calls)
 
-    def _cancelled_outcome(self, slot: _Slot) -> Outcome:
+    def _cancelled_outcome(self, slot: Slot) -> Outcome:
         return Outcome(slot.claimed.id, slot.claimed.attempt, "cancelled",
-                       error=_error("cancelled", "cancelled on request"))
+                       error=outcomes.error_doc("cancelled", "cancelled on request"))
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -365,7 +313,7 @@ class Worker:
             if slot.claimed.id in held:
                 slot.deadline = sent + self.settings.lease_seconds
                 if held[slot.claimed.id]:
-                    self._cancel(slot)
+                    self.cancels.cancel(slot)
             elif not slot.finishing and self.slots.get(slot.claimed.id) is slot:
                 self._abandon(slot, "the database no longer shows this attempt's lease")
 
@@ -375,7 +323,7 @@ class Worker:
             if slot.deadline < now and slot.stop_reason is None and not slot.finishing:
                 self._abandon(slot, "the lease could not be renewed before it expired")
 
-    def _abandon(self, slot: _Slot, why: str, *, cancel: bool = True) -> None:
+    def _abandon(self, slot: Slot, why: str, *, cancel: bool = True) -> None:
         """Stop a run whose lease is (or may be) lost: every later write of it is fenced."""
         if slot.stop_reason == "lease_lost":
             return
@@ -386,64 +334,6 @@ class Worker:
         assert slot.task is not None
         if cancel:
             slot.task.cancel()
-
-    # -- cancellation ------------------------------------------------------------------------
-
-    def _on_cancel_notice(self, run_id: uuid.UUID) -> None:
-        if run_id in self.slots:
-            self._background(self._confirm_cancel(run_id))
-            return
-        # The notice can overtake our own claim of the run (it is sent when the canceller
-        # commits, which may be before _start registers the slot): keep it for a moment.
-        now = time.monotonic()
-        self._early_cancels = {r: t for r, t in self._early_cancels.items() if now - t < 60}
-        self._early_cancels[run_id] = now
-
-    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)  # a task nobody references may be collected mid-flight
-        task.add_done_callback(self._tasks.discard)
-
-    async def _confirm_cancel(self, run_id: uuid.UUID) -> None:
-        slot = self.slots.get(run_id)
-        if slot is None or self._pool is None:
-            return
-        # A NOTIFY proves nothing: the flag in the database decides.
-        try:
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(QUERIES["read_cancel_flags"], {
-                    "ids": [slot.claimed.id], "attempts": [slot.claimed.attempt]})
-                flagged = await cur.fetchall()
-        except psycopg.OperationalError as exc:
-            logger.warning("could not read the cancel flag (the heartbeat will): %s", exc,
-                           extra={"action": "cancel_check_failed", **slot.extra})
-            return
-        if flagged and self.slots.get(run_id) is slot:
-            self._cancel(slot)
-
-    def _cancel(self, slot: _Slot) -> None:
-        if slot.stop_reason is not None or slot.finishing:
-            return
-        slot.stop_reason = "cancelled"
-        slot.run._mark_cancelled()
-        logger.info("cancelling run %s", slot.claimed.id,
-                    extra={"action": "run_cancelling", **slot.extra})
-        assert slot.task is not None
-        slot.task.cancel()
-        asyncio.get_running_loop().call_later(
-            self.settings.cancel_grace_seconds,
-            lambda: self._background(self._force_cancelled(slot)))
-
-    async def _force_cancelled(self, slot: _Slot) -> None:
-        """The handler ignored cancellation past its grace: record it cancelled and free the
-        slot; whatever the handler does later is fenced."""
-        if self.slots.get(slot.claimed.id) is not slot or slot.finishing:
-            return
-        slot.finishing = True
-        assert self._outcomes is not None
-        await self._outcomes.submit(self._cancelled_outcome(slot))
-        del self.slots[slot.claimed.id]
-        self._attention.set()
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -470,7 +360,7 @@ class Worker:
             await asyncio.wait(pending, timeout=5)
         await self._release([s for s in unfinished if s.stop_reason == "shutdown"])
 
-    async def _release(self, slots: list[_Slot]) -> None:
+    async def _release(self, slots: list[Slot]) -> None:
         if not slots or self._pool is None:
             return
         try:

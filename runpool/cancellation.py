@@ -1,0 +1,95 @@
+"""Worker-side cancellation: a cancel notice (NOTIFY or heartbeat flag) becomes task
+cancellation, a grace period, and a recorded `cancelled` outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from .queries import QUERIES
+from .slot import Slot
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+__all__ = ["Canceller"]
+
+logger = logging.getLogger("runpool.cancellation")
+
+
+class Canceller:
+    """Owned by one Worker, on its event loop; reads and updates the worker's slots."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        # Cancel notices for runs not (yet) in a slot, by arrival time.
+        self._early: dict[uuid.UUID, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def on_notice(self, run_id: uuid.UUID) -> None:
+        if run_id in self._worker.slots:
+            self.background(self.confirm(run_id))
+            return
+        # The notice can overtake our own claim of the run (it is sent when the canceller
+        # commits, which may be before the worker registers the slot): keep it for a moment.
+        now = time.monotonic()
+        self._early = {r: t for r, t in self._early.items() if now - t < 60}
+        self._early[run_id] = now
+
+    def on_start(self, run_id: uuid.UUID) -> None:
+        if self._early.pop(run_id, None) is not None:
+            self.background(self.confirm(run_id))
+
+    def background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # a task nobody references may be collected mid-flight
+        task.add_done_callback(self._tasks.discard)
+
+    async def confirm(self, run_id: uuid.UUID) -> None:
+        w = self._worker
+        slot = w.slots.get(run_id)
+        if slot is None or w._pool is None:
+            return
+        # A NOTIFY proves nothing: the flag in the database decides.
+        try:
+            async with w._pool.connection() as conn:
+                cur = await conn.execute(QUERIES["read_cancel_flags"], {
+                    "ids": [slot.claimed.id], "attempts": [slot.claimed.attempt]})
+                flagged = await cur.fetchall()
+        except psycopg.OperationalError as exc:
+            logger.warning("could not read the cancel flag (the heartbeat will): %s", exc,
+                           extra={"action": "cancel_check_failed", **slot.extra})
+            return
+        if flagged and w.slots.get(run_id) is slot:
+            self.cancel(slot)
+
+    def cancel(self, slot: Slot) -> None:
+        if slot.stop_reason is not None or slot.finishing:
+            return
+        slot.stop_reason = "cancelled"
+        slot.run._mark_cancelled()
+        logger.info("cancelling run %s", slot.claimed.id,
+                    extra={"action": "run_cancelling", **slot.extra})
+        assert slot.task is not None
+        slot.task.cancel()
+        asyncio.get_running_loop().call_later(
+            self._worker.settings.cancel_grace_seconds,
+            lambda: self.background(self.force(slot)))
+
+    async def force(self, slot: Slot) -> None:
+        """The handler ignored cancellation past its grace: record it cancelled and free the
+        slot; whatever the handler does later is fenced."""
+        w = self._worker
+        if w.slots.get(slot.claimed.id) is not slot or slot.finishing:
+            return
+        slot.finishing = True
+        assert w._outcomes is not None
+        await w._outcomes.submit(w._cancelled_outcome(slot))
+        del w.slots[slot.claimed.id]
+        w._attention.set()
