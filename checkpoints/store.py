@@ -31,6 +31,14 @@ HOLDS: Final = """
 SELECT 1 FROM runpool.runs
 WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
 """
+# The fence every write starts with: the run row, locked, only while this attempt holds it.
+# (Static text joined to each statement below; nothing in it is dynamic.)
+FENCE: Final = """
+WITH fence AS (
+    SELECT id FROM runpool.runs
+    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
+    FOR SHARE
+)"""
 # A run's conversation, oldest first.
 LOAD_MESSAGES: Final = """
 SELECT seq, role, content, attempt, call_id FROM runpool.messages
@@ -42,12 +50,7 @@ SELECT call_id, name, arguments, status, result, attempt, executions, started_at
 FROM runpool.tool_calls WHERE run_id = %(run_id)s ORDER BY started_at, call_id
 """
 # Append one message at the next sequence number, if the attempt holds the run.
-INSERT_MESSAGE: Final = """
-WITH fence AS (
-    SELECT id FROM runpool.runs
-    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
-    FOR SHARE
-)
+INSERT_MESSAGE: Final = FENCE + """
 INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id)
 SELECT fence.id,
        coalesce((SELECT max(seq) FROM runpool.messages WHERE run_id = %(run_id)s), 0) + 1,
@@ -57,12 +60,7 @@ RETURNING seq
 """
 # Record that a tool is about to run (a call interrupted in an earlier attempt is taken over),
 # if the attempt holds the run; nothing for a call already finished.
-INSERT_INTENT: Final = """
-WITH fence AS (
-    SELECT id FROM runpool.runs
-    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
-    FOR SHARE
-)
+INSERT_INTENT: Final = FENCE + """
 INSERT INTO runpool.tool_calls AS t (run_id, call_id, name, arguments, status, attempt)
 SELECT fence.id, %(call_id)s, %(name)s, %(arguments)s, 'started', %(attempt)s FROM fence
 ON CONFLICT (run_id, call_id) DO UPDATE
@@ -72,12 +70,7 @@ RETURNING executions
 """
 # Commit a started call's outcome and its tool message together, if the attempt holds the run;
 # a call is finished once (a committed call is never overwritten).
-FINISH_CALL: Final = """
-WITH fence AS (
-    SELECT id FROM runpool.runs
-    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
-    FOR SHARE
-),
+FINISH_CALL: Final = FENCE + """,
 finished AS (
     UPDATE runpool.tool_calls SET status = %(status)s, result = %(result)s, finished_at = now()
     WHERE run_id = (SELECT id FROM fence) AND call_id = %(call_id)s AND status = 'started'
@@ -92,12 +85,7 @@ RETURNING seq
 """
 # Close an interrupted call whose outcome is unknown (no message: the agent decides what to
 # tell the model), if the attempt holds the run.
-MARK_UNKNOWN: Final = """
-WITH fence AS (
-    SELECT id FROM runpool.runs
-    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
-    FOR SHARE
-)
+MARK_UNKNOWN: Final = FENCE + """
 UPDATE runpool.tool_calls SET status = 'unknown', result = %(result)s, finished_at = now()
 WHERE run_id = (SELECT id FROM fence) AND call_id = %(call_id)s AND status = 'started'
 RETURNING 1

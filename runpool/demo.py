@@ -166,7 +166,10 @@ def _summary(conn: psycopg.Connection[Any], ids: list[uuid.UUID],
         _say(f"the run whose worker was killed: {row[0] if row else '?'} after"
              f" {row[1] if row else '?'} attempts; its tool calls (status, executions):")
         for call_id, status, executions in calls:
-            print(f"      {call_id:<10} {status:<10} ran {executions}x")
+            why = ("  <- in flight when the worker died; safe to retry, so it ran again"
+                   if executions > 1 else "")
+            print(f"      {call_id:<10} {status:<10} ran {executions}x{why}")
+        print("      (calls committed before the kill were not run again: resume read them back)")
     if cancelled:
         row = conn.execute("SELECT status, cancel_reason FROM runpool.runs WHERE id = %s",
                            (cancelled,)).fetchone()

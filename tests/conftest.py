@@ -10,10 +10,12 @@ import os
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from runpool.db import connect
@@ -36,38 +38,43 @@ def server_dsn() -> str:
     return start_embedded(data_dir)
 
 
+@contextmanager
+def _database(server_dsn: str, prefix: str, template: str | None = None) -> Iterator[str]:
+    """A database of its own on the test server (cloned from `template`), dropped after."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template:
+        create += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+    with psycopg.connect(server_dsn, autocommit=True) as admin:
+        admin.execute(create)
+    try:
+        yield name
+    finally:
+        with psycopg.connect(server_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+
+
 @pytest.fixture(scope="session")
 def template_db(server_dsn: str) -> Iterator[str]:
-    name = f"runpool_tmpl_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')  # test-only, name generated above
-    with connect(_with_db(server_dsn, name), autocommit=True) as conn:
-        migrate(conn)
-    yield name
-    with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _database(server_dsn, "runpool_tmpl") as name:
+        with connect(_with_db(server_dsn, name), autocommit=True) as conn:
+            migrate(conn)
+        yield name
 
 
 @pytest.fixture
 def dsn(server_dsn: str, template_db: str) -> Iterator[str]:
     """A fresh, migrated database for this test."""
-    name = f"runpool_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    yield _with_db(server_dsn, name)
-    with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _database(server_dsn, "runpool_test", template_db) as name:
+        yield _with_db(server_dsn, name)
 
 
 @pytest.fixture
 def empty_dsn(server_dsn: str) -> Iterator[str]:
     """A database with no runpool schema at all."""
-    name = f"runpool_empty_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield _with_db(server_dsn, name)
-    with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _database(server_dsn, "runpool_empty") as name:
+        yield _with_db(server_dsn, name)
 
 
 @pytest.fixture

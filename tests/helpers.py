@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,6 +17,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.types.json import Jsonb
+
+from runpool.claiming import claim
+from runpool.db import aconnect
+from runpool.queries import QUERIES
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,3 +131,60 @@ def pid_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+# -- racing claimers ----------------------------------------------------------------------
+
+def finish_params(runs: list[tuple[uuid.UUID, int]]) -> dict[str, Any]:
+    """finish_runs parameters that end each (run id, attempt) as succeeded."""
+    n = len(runs)
+    return {"ids": [r for r, _ in runs], "attempts": [a for _, a in runs],
+            "outcomes": ["succeeded"] * n, "results": [Jsonb(None)] * n,
+            "errors": [None] * n, "delays": [0.0] * n}
+
+
+async def _churning_claimer(dsn: str, seed: int, max_limit: int) -> None:
+    """Claims random batch sizes and finishes a random part of what it holds (runs ending at
+    random), until the queue has stayed empty for three rounds."""
+    rnd = random.Random(seed)
+    async with await aconnect(dsn, autocommit=True) as c:
+        held: list[tuple[uuid.UUID, int]] = []
+        idle = 0
+        while idle < 3:
+            got = await claim(c, worker_id=uuid.uuid4(), limit=rnd.randint(1, max_limit),
+                              lease_seconds=30)
+            held += [(r.id, r.attempt) for r in got]
+            idle = 0 if got or held else idle + 1
+            rnd.shuffle(held)
+            cut = rnd.randint(0, len(held))
+            if cut:
+                await c.execute(QUERIES["finish_runs"], finish_params(held[:cut]))
+                held = held[cut:]
+
+
+def race_claimers(dsn: str, *, claimers: int, max_limit: int, probe: Any
+                  ) -> tuple[list[tuple[Any, ...]], int]:
+    """Race `claimers` churning claimers on separate connections while a sampler runs `probe`
+    continuously on its own; returns every row the probe ever returned, and how many samples
+    it took (so a test can show the sampler really watched)."""
+    rows: list[tuple[Any, ...]] = []
+    samples = 0
+    done = asyncio.Event()
+
+    async def sampler() -> None:
+        nonlocal samples
+        async with await aconnect(dsn, autocommit=True) as c:
+            while not done.is_set():
+                cur = await c.execute(probe)
+                rows.extend(await cur.fetchall())
+                samples += 1
+
+    async def main() -> None:
+        sampling = asyncio.create_task(sampler())
+        await asyncio.gather(*(_churning_claimer(dsn, seed, max_limit)
+                               for seed in range(claimers)))
+        done.set()
+        await sampling
+
+    asyncio.run(main())
+    return rows, samples

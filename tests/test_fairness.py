@@ -3,32 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import uuid
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb
 
 import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect
 from runpool.queries import QUERIES
-from tests.helpers import scalar
+from tests.helpers import race_claimers, scalar
 
-# Live leases per tenant, as the quota counts them.
-LIVE = """
-SELECT tenant, count(*) FROM runpool.runs
-WHERE status = 'running' AND lease_expires_at > now() GROUP BY tenant
+# Tenants holding more live leases than their quota (must always be empty).
+OVER_QUOTA = """
+SELECT r.tenant, count(*), t.max_running FROM runpool.runs r
+JOIN runpool.tenants t ON t.tenant = r.tenant
+WHERE r.status = 'running' AND r.lease_expires_at > now()
+GROUP BY r.tenant, t.max_running HAVING count(*) > t.max_running
 """
-FINISH = QUERIES["finish_runs"]
-
-
-def _finish(conn: Any, runs: list[tuple[uuid.UUID, int]]) -> Any:
-    return conn.execute(FINISH, {
-        "ids": [r for r, _ in runs], "attempts": [a for _, a in runs],
-        "outcomes": ["succeeded"] * len(runs), "results": [Jsonb(None)] * len(runs),
-        "errors": [None] * len(runs), "delays": [0.0] * len(runs)})
 
 
 def test_quotas__16_claimers_20_tenants_never_exceeded_and_work_conserving(
@@ -37,49 +29,9 @@ def test_quotas__16_claimers_20_tenants_never_exceeded_and_work_conserving(
     for tenant, quota in quotas.items():
         conn.execute("SELECT runpool.set_tenant_quota(%s, %s)", (tenant, quota))
     runpool.enqueue_many(conn, [runpool.RunSpec(t, "noop") for t in quotas for _ in range(12)])
-    violations: list[str] = []
-    samples: list[int] = []
-    done = asyncio.Event()
-
-    async def sampler() -> None:
-        async with await aconnect(dsn, autocommit=True) as c:
-            while not done.is_set():
-                cur = await c.execute(LIVE)
-                for tenant, live in await cur.fetchall():
-                    if live > quotas[tenant]:
-                        violations.append(f"{tenant}: {live} > {quotas[tenant]}")
-                samples.append(1)
-
-    async def claimer(seed: int) -> None:
-        rnd = random.Random(seed)
-        async with await aconnect(dsn, autocommit=True) as c:
-            held: list[tuple[uuid.UUID, int]] = []
-            idle_rounds = 0
-            while idle_rounds < 3:
-                got = await claim(c, worker_id=uuid.uuid4(), limit=rnd.randint(1, 6),
-                                  lease_seconds=30)
-                held += [(r.id, r.attempt) for r in got]
-                idle_rounds = 0 if got or held else idle_rounds + 1
-                # Finish a random part of what this claimer holds, like runs ending at random.
-                rnd.shuffle(held)
-                cut = rnd.randint(0, len(held))
-                if cut:
-                    await c.execute(FINISH, {
-                        "ids": [r for r, _ in held[:cut]], "attempts": [a for _, a in held[:cut]],
-                        "outcomes": ["succeeded"] * cut, "results": [Jsonb(None)] * cut,
-                        "errors": [None] * cut, "delays": [0.0] * cut})
-                    held = held[cut:]
-                await asyncio.sleep(0)
-
-    async def main() -> None:
-        sampling = asyncio.create_task(sampler())
-        await asyncio.gather(*(claimer(i) for i in range(16)))
-        done.set()
-        await sampling
-
-    asyncio.run(main())
+    violations, samples = race_claimers(dsn, claimers=16, max_limit=6, probe=OVER_QUOTA)
     assert violations == []
-    assert len(samples) > 20  # the sampler really watched the race
+    assert samples > 20  # the sampler really watched the race
     # Work-conserving: every run was claimed and finished, none left waiting.
     assert conn.execute("SELECT status, count(*) FROM runpool.runs GROUP BY status").fetchall() \
         == [("succeeded", 240)]

@@ -11,13 +11,11 @@ from collections import defaultdict
 
 import psycopg
 import pytest
-from psycopg.types.json import Jsonb
 
 import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect
-from runpool.queries import QUERIES
-from tests.helpers import events, run_row, running_pool, scalar, wait_for
+from tests.helpers import events, race_claimers, run_row, running_pool, scalar, wait_for
 
 # Keys with more than one live lease right now (must always be empty).
 DOUBLE_LEASES = """
@@ -34,41 +32,8 @@ def test_serial_keys__16_claimers_never_two_leases_per_key_and_start_in_order(
                              serial_key=key)
              for n in range(20) for i, key in enumerate(keys)]
     runpool.enqueue_many(conn, specs)
-    violations: list[object] = []
-    done = asyncio.Event()
-
-    async def sampler() -> None:
-        async with await aconnect(dsn, autocommit=True) as c:
-            while not done.is_set():
-                cur = await c.execute(DOUBLE_LEASES)
-                violations.extend(await cur.fetchall())
-
-    async def claimer(seed: int) -> None:
-        rnd = random.Random(seed)
-        async with await aconnect(dsn, autocommit=True) as c:
-            held: list[tuple[uuid.UUID, int]] = []
-            idle = 0
-            while idle < 3:
-                got = await claim(c, worker_id=uuid.uuid4(), limit=rnd.randint(1, 8),
-                                  lease_seconds=30)
-                held += [(r.id, r.attempt) for r in got]
-                idle = 0 if got or held else idle + 1
-                rnd.shuffle(held)
-                cut = rnd.randint(0, len(held))
-                if cut:
-                    await c.execute(QUERIES["finish_runs"], {
-                        "ids": [r for r, _ in held[:cut]], "attempts": [a for _, a in held[:cut]],
-                        "outcomes": ["succeeded"] * cut, "results": [Jsonb(None)] * cut,
-                        "errors": [None] * cut, "delays": [0.0] * cut})
-                    held = held[cut:]
-
-    async def main() -> None:
-        sampling = asyncio.create_task(sampler())
-        await asyncio.gather(*(claimer(i) for i in range(16)))
-        done.set()
-        await sampling
-
-    asyncio.run(main())
+    violations, samples = race_claimers(dsn, claimers=16, max_limit=8, probe=DOUBLE_LEASES)
+    assert samples > 20
     assert violations == []
     assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE status = 'succeeded'") == 4000
     # Within each key, the start order (by claim event) is the enqueue order.
