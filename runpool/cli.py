@@ -179,11 +179,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     with connect(dsn, autocommit=True) as conn:
         if args.command == "migrate":
             return _migrate(conn, sql_only=args.sql)
+        from .migrate import check, migrate
+
         if not settings.dsn:
             # The embedded database belongs to runpool: keep it at the current schema.
-            from .migrate import migrate
-
             migrate(conn)
+        check(conn)  # a configured database: say what to run instead of failing obscurely
         try:
             return _simple(conn, args)
         except psycopg.Error as exc:

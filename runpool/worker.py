@@ -221,8 +221,9 @@ class Worker:
                 logger.log(
                     logging.DEBUG if status == "succeeded" else logging.INFO,
                     "run %s attempt %d: %s", slot.claimed.id, slot.claimed.attempt,
-                    status or "fenced (lease lost)",
-                    extra={"action": "run_finished" if status else "outcome_fenced",
+                    status or "not recorded (the lease was lost, or the database stayed"
+                              " unreachable; the run is reclaimed when its lease expires)",
+                    extra={"action": "run_finished" if status else "outcome_not_recorded",
                            **slot.extra},
                 )
         finally:

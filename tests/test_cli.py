@@ -95,3 +95,8 @@ def test_bad_settings__refused_before_anything_starts(dsn: str) -> None:
     out = subprocess.run([sys.executable, "-m", "runpool", "--app", "no.such.module:app"],
                          env=pool_env(dsn), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "cannot import app module" in out.stderr
+
+
+def test_commands_on_an_unmigrated_database__name_the_fix(empty_dsn: str) -> None:
+    out = cli(empty_dsn, "enqueue", "acme", "noop")
+    assert out.returncode == 1 and "python -m runpool migrate" in out.stderr, out.stderr
