@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from .db import bounded
 from .queries import QUERIES
 from .slot import Slot
 
@@ -58,11 +59,11 @@ class Canceller:
             return
         # A NOTIFY proves nothing: the flag in the database decides.
         try:
-            async with w._pool.connection() as conn:
+            async with bounded(w._pool, 5) as conn:
                 cur = await conn.execute(QUERIES["read_cancel_flags"], {
                     "ids": [slot.claimed.id], "attempts": [slot.claimed.attempt]})
                 flagged = await cur.fetchall()
-        except psycopg.OperationalError as exc:
+        except (psycopg.OperationalError, TimeoutError) as exc:
             logger.warning("could not read the cancel flag (the heartbeat will): %s", exc,
                            extra={"action": "cancel_check_failed", **slot.extra})
             return

@@ -18,7 +18,7 @@ import checkpoints
 from checkpoints import Message, ToolCall
 
 from . import telemetry
-from .db import dumps
+from .db import bounded, dumps
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
 
 __all__ = ["Run", "ToolFn"]
@@ -48,6 +48,7 @@ class Run:
         input: Any,
         pool: AsyncConnectionPool | None = None,
         max_message_bytes: int = 1 << 20,
+        write_timeout: float = 30.0,
         messages: Sequence[Message] = (),
         tool_calls: dict[str, ToolCall] | None = None,
     ) -> None:
@@ -58,6 +59,7 @@ class Run:
         self.input = input
         self._pool = pool
         self._max_bytes = max_message_bytes
+        self._write_timeout = write_timeout
         self._messages = list(messages)
         self._calls = dict(tool_calls or {})
         self._cancelled = asyncio.Event()
@@ -117,7 +119,7 @@ class Run:
             raise InvalidInput("message role must be 1 to 64 characters, without NUL")
         data = self._encode(content, "message content")
         pool = self._writable()
-        async with self._write_lock, pool.connection() as conn:
+        async with self._write_lock, bounded(pool, self._write_timeout) as conn:
             try:
                 seq = await checkpoints.append_message(
                     conn, self.id, self.attempt, role, Jsonb(data, _raw))
@@ -174,12 +176,12 @@ class Run:
         interrupted = prior is not None and prior.status == "started"
         try:
             if interrupted and not retry_interrupted:
-                async with self._write_lock, pool.connection() as conn:
+                async with self._write_lock, bounded(pool, self._write_timeout) as conn:
                     await checkpoints.mark_tool_unknown(
                         conn, self.id, self.attempt, call_id, Jsonb({"outcome": "unknown"}))
                 self._remember(call_id, name, arguments, "unknown", {"outcome": "unknown"})
                 raise ToolOutcomeUnknown(call_id)
-            async with self._write_lock, pool.connection() as conn:
+            async with self._write_lock, bounded(pool, self._write_timeout) as conn:
                 # Committed before the tool runs: a crash from here on leaves the evidence.
                 await checkpoints.record_tool_intent(
                     conn, self.id, self.attempt, call_id, name, Jsonb(args, _raw))
@@ -192,7 +194,7 @@ class Run:
                 status, result = "failed", {"error": {"type": "ResultRejected",
                                                       "message": str(exc)}}
                 data = dumps(result)
-            async with self._write_lock, pool.connection() as conn:
+            async with self._write_lock, bounded(pool, self._write_timeout) as conn:
                 seq = await checkpoints.commit_tool_result(
                     conn, self.id, self.attempt, call_id, status=status,
                     result=Jsonb(data, _raw), message_role="tool",

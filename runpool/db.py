@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, Final
 
 import orjson
@@ -14,15 +17,25 @@ from psycopg_pool import AsyncConnectionPool
 
 from .errors import InvalidInput
 
-__all__ = ["configure", "connect", "dumps", "loads", "open_pool", "translate_error"]
+__all__ = [
+    "bounded",
+    "configure",
+    "connect",
+    "dumps",
+    "loads",
+    "open_pool",
+    "translate_error",
+]
 
-# Keepalives let the kernel notice a half-open connection (a peer that vanished) in ~20 s
-# instead of the default two hours.
+# Keepalives let the kernel notice a half-open idle connection (a peer that vanished) in
+# ~20 s instead of two hours; tcp_user_timeout does the same for data sent and never
+# acknowledged, which keepalives do not cover.
 KEEPALIVES: dict[str, Any] = {
     "keepalives": 1,
     "keepalives_idle": 10,
     "keepalives_interval": 3,
     "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
 }
 
 
@@ -103,6 +116,19 @@ async def open_pool(dsn: str, *, size: int, name: str) -> AsyncConnectionPool:
     )
     await pool.open(wait=True, timeout=30)
     return pool
+
+
+@asynccontextmanager
+async def bounded(pool: AsyncConnectionPool, seconds: float
+                  ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """A pooled connection whose whole use must end within `seconds` (TimeoutError if not).
+
+    A silent server — a black-holed network path, a peer that vanished mid-query — otherwise
+    hangs a statement until TCP gives up, which can take many minutes: keepalives only probe
+    idle connections. A connection abandoned mid-statement is closed by the pool, not reused.
+    """
+    async with asyncio.timeout(seconds), pool.connection(timeout=seconds) as conn:
+        yield conn
 
 
 def translate_error(exc: psycopg.Error) -> Exception:

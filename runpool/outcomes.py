@@ -15,7 +15,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from .db import dumps, loads
+from .db import bounded, dumps, loads
 from .errors import Fail, InvalidInput, ToolOutcomeUnknown
 from .queries import QUERIES
 
@@ -126,15 +126,15 @@ class OutcomeWriter:
         delay = 0.05
         for attempt in range(8):
             try:
-                async with self._pool.connection() as conn:
+                async with bounded(self._pool, 10) as conn:
                     cur = await conn.execute(QUERIES["finish_runs"], params)
                     statuses = {run_id: status for run_id, status in await cur.fetchall()}
                 break
-            except psycopg.OperationalError as exc:
+            except (psycopg.OperationalError, TimeoutError) as exc:
                 # The database is unreachable: keep trying for a while; if it stays away the
                 # leases expire and the runs are reclaimed elsewhere, which is the safe outcome.
                 logger.warning(
-                    "writing %d outcomes failed (try %d): %s", len(batch), attempt + 1, exc,
+                    "writing %d outcomes failed (try %d): %r", len(batch), attempt + 1, exc,
                     extra={"action": "outcome_write_failed", "worker_id": str(self._worker_id)},
                 )
                 await asyncio.sleep(delay)

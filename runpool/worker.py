@@ -25,7 +25,7 @@ from .app import App
 from .cancellation import Canceller
 from .claiming import ClaimedRun, claim
 from .context import Run
-from .db import open_pool
+from .db import bounded, open_pool
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
 from .listener import Listener
 from .outcomes import Outcome, OutcomeWriter
@@ -54,6 +54,9 @@ class Worker:
         self._outcomes: OutcomeWriter | None = None
         self._last_touch = 0.0
         self._last_reap = 0.0
+        # Bound on one claim transaction (normally milliseconds): a silent server must not
+        # stall the loop for longer than a fraction of a lease.
+        self._db_timeout = max(2.0, min(10.0, settings.lease_seconds / 3))
         self.cancels = Canceller(self)
         self.listener: Listener | None = None
         self._log = {"worker_id": str(self.id)}
@@ -71,6 +74,7 @@ class Worker:
             self._outcomes = OutcomeWriter(self._pool, worker_id=self.id)
             side.append(asyncio.create_task(self._outcomes.run(), name="outcomes"))
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+            side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
             if s.listen:
                 self.listener = Listener(
                     self.dsn, self._attention, self.cancels.on_notice, worker_id=self.id
@@ -102,7 +106,7 @@ class Worker:
     async def _register(self) -> None:
         s = self.settings
         assert self._pool is not None
-        async with self._pool.connection() as conn:
+        async with bounded(self._pool, 30) as conn:
             await conn.execute(
                 QUERIES["register_worker"],
                 {"worker_id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
@@ -119,7 +123,7 @@ class Worker:
     async def _unregister(self) -> None:
         assert self._pool is not None
         try:
-            async with self._pool.connection(timeout=5) as conn:
+            async with bounded(self._pool, 5) as conn:
                 await conn.execute(QUERIES["stop_worker"], {"worker_id": self.id})
         except Exception as exc:  # best effort: the row only informs `status`
             logger.warning("could not mark worker stopped: %s", exc,
@@ -142,8 +146,8 @@ class Worker:
                 try:
                     claimed = await self._claim(free)
                     backoff = 0.1
-                except psycopg.OperationalError as exc:
-                    logger.warning("claim failed: %s", exc,
+                except (psycopg.OperationalError, TimeoutError) as exc:
+                    logger.warning("claim failed: %r", exc,
                                    extra={"action": "claim_failed", **self._log})
                     claimed = []
                     await asyncio.sleep(backoff)
@@ -166,7 +170,7 @@ class Worker:
         touch = sent - self._last_touch > self.settings.heartbeat_seconds
         # Reclaiming within a second of expiry is plenty; a claim every few ms need not reap.
         reap = sent - self._last_reap > REAP_INTERVAL
-        async with self._pool.connection() as conn:
+        async with bounded(self._pool, self._db_timeout) as conn:
             claimed = await claim(conn, worker_id=self.id, limit=limit,
                                   lease_seconds=self.settings.lease_seconds, touch=touch,
                                   reap_expired=reap)
@@ -178,7 +182,8 @@ class Worker:
 
     def _start(self, c: ClaimedRun) -> None:
         run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=c.input,
-                  pool=self._pool, max_message_bytes=self.settings.max_message_bytes)
+                  pool=self._pool, max_message_bytes=self.settings.max_message_bytes,
+                  write_timeout=self.settings.lease_seconds / 2)
         slot = Slot(c, run, deadline=time.monotonic() + self.settings.lease_seconds,
                      extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
         self.slots[c.id] = slot
@@ -271,7 +276,7 @@ class Worker:
     async def _resume(self, slot: Slot) -> None:
         """Restore what earlier attempts committed: resuming reads rows, it replays nothing."""
         assert self._pool is not None
-        async with self._pool.connection() as conn:
+        async with bounded(self._pool, self.settings.lease_seconds / 2) as conn:
             messages, calls = await checkpoints.load(conn, slot.claimed.id)
         slot.run._restore(messages, calls)
 
@@ -288,11 +293,18 @@ class Worker:
             try:
                 await self._beat()
                 interval = self.settings.heartbeat_seconds
-            except psycopg.OperationalError as exc:
-                logger.warning("heartbeat failed: %s", exc,
+            except (psycopg.OperationalError, TimeoutError) as exc:
+                logger.warning("heartbeat failed: %r", exc,
                                extra={"action": "heartbeat_failed", **self._log})
                 # Retry sooner, so a short outage costs no lease.
                 interval = min(1.0, self.settings.heartbeat_seconds)
+
+    async def _lease_watchdog(self) -> None:
+        """Abandon runs whose lease may have run out, on the local clock alone: a heartbeat
+        stuck on a dead connection (its cancellation can itself take seconds) must not keep a
+        run going past its lease."""
+        while True:
+            await asyncio.sleep(min(0.5, self.settings.heartbeat_seconds / 2))
             self._abandon_expired()
 
     async def _beat(self) -> None:
@@ -301,7 +313,7 @@ class Worker:
         if not slots:
             return  # an idle worker shows it is alive through its polls
         sent = time.monotonic()
-        async with self._pool.connection(timeout=self.settings.heartbeat_seconds) as conn:
+        async with bounded(self._pool, self.settings.heartbeat_seconds) as conn:
             cur = await conn.execute(QUERIES["heartbeat"], {
                 "ids": [s.claimed.id for s in slots],
                 "attempts": [s.claimed.attempt for s in slots],
@@ -365,7 +377,7 @@ class Worker:
         if not slots or self._pool is None:
             return
         try:
-            async with self._pool.connection(timeout=5) as conn:
+            async with bounded(self._pool, 5) as conn:
                 await conn.execute(QUERIES["release_runs"], {
                     "ids": [s.claimed.id for s in slots],
                     "attempts": [s.claimed.attempt for s in slots],
