@@ -155,3 +155,9 @@ async def stubborn(run: runpool.Run) -> Any:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
             continue
+
+
+@app.handler("poison")
+async def poison(run: runpool.Run) -> Any:
+    """Kills the worker process on every attempt."""
+    os._exit(3)

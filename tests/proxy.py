@@ -24,6 +24,7 @@ class Proxy:
                                else (host, port))
         self.blackholed = threading.Event()
         self.connections = 0
+        self._sockets: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -36,6 +37,17 @@ class Proxy:
 
     def close(self) -> None:
         self._listener.close()
+        self.cut()
+
+    def cut(self) -> None:
+        """Reset every connection made so far (both sides see it die at once)."""
+        sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
 
     def _accept(self) -> None:
         while True:
@@ -47,6 +59,7 @@ class Proxy:
             upstream = socket.socket(family, socket.SOCK_STREAM)
             upstream.connect(self._upstream)
             self.connections += 1
+            self._sockets += [client, upstream]
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 

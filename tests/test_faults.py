@@ -24,6 +24,11 @@ def test_blackholed_database__worker_gives_up_its_lease_and_recovers_after_heali
     run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 6})
     with running_pool(proxy.dsn(dsn), lease_seconds=3, poll_seconds=1) as pool:
         wait_for(lambda: run_row(conn, run_id)["status"] == "running", what="claim")
+        # A heartbeat renewed the lease: the worker surely holds the run in a slot (a claim
+        # whose answer is lost on the way back is simply recovered by the lease expiring).
+        first_lease = run_row(conn, run_id)["lease_expires_at"]
+        wait_for(lambda: run_row(conn, run_id)["lease_expires_at"] > first_lease,
+                 what="a heartbeat")
         # Silence: every byte between the worker and the database vanishes, nothing errors.
         proxy.blackholed.set()
         # The heartbeat cannot finish, so before the lease can have expired in the database
@@ -36,3 +41,33 @@ def test_blackholed_database__worker_gives_up_its_lease_and_recovers_after_heali
     row = run_row(conn, run_id)
     assert row["attempt"] == 2 and row["result"]["attempt"] == 2
     assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+
+
+def test_connections_cut__worker_reconnects_and_the_run_finishes(
+        conn: psycopg.Connection, dsn: str, proxy: Proxy) -> None:
+    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 1})
+    with running_pool(proxy.dsn(dsn), lease_seconds=3) as pool:
+        wait_for(lambda: run_row(conn, run_id)["status"] == "running", what="claim")
+        proxy.cut()  # every connection, the LISTEN one included, dies mid-flight
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=40,
+                 what="run finished")
+        after = runpool.enqueue(conn, "acme", "noop")
+        wait_for(lambda: run_row(conn, after)["status"] == "succeeded", timeout=20,
+                 what="worker alive after reconnecting")
+        assert "action=listen_lost" in pool.log()
+
+
+def test_poison_run__fails_after_its_attempts_and_the_pool_recovers(
+        conn: psycopg.Connection, dsn: str) -> None:
+    poison = runpool.enqueue(conn, "evil", "poison", max_attempts=3)
+    with running_pool(dsn, workers=2, lease_seconds=1) as pool:
+        wait_for(lambda: run_row(conn, poison)["status"] == "failed", timeout=60,
+                 what="poison run failed")
+        # The supervisor restarted each crashed worker after a backoff, not in a spin.
+        assert pool.log().count("action=worker_exited") == 3
+        after = [runpool.enqueue(conn, "good", "noop") for _ in range(10)]
+        wait_for(lambda: all(run_row(conn, r)["status"] == "succeeded" for r in after),
+                 timeout=30, what="the pool working again")
+    row = run_row(conn, poison)
+    assert (row["attempt"], row["error"]["reason"]) == (3, "lease_expired")
+    assert events(conn, poison).count("reclaimed") == 2
