@@ -58,6 +58,7 @@ class Worker:
         # stall the loop for longer than a fraction of a lease.
         self._db_timeout = max(2.0, min(10.0, settings.lease_seconds / 3))
         self.cancels = Canceller(self)
+        self._side_failure: BaseException | None = None
         self.listener: Listener | None = None
         self._log = {"worker_id": str(self.id)}
 
@@ -80,11 +81,15 @@ class Worker:
                     self.dsn, self._attention, self.cancels.on_notice, worker_id=self.id
                 )
                 side.append(asyncio.create_task(self.listener.run(), name="listener"))
+            for task in side:
+                # A worker that lost its heartbeat or its outcome writer must not go on
+                # half-alive: it stops, and the supervisor starts a fresh one.
+                task.add_done_callback(lambda t: self._side_task_done(t, stop, abort))
             logger.info(
                 "worker started: concurrency %d, handlers %s", s.concurrency, self.app.names,
                 extra={"action": "worker_started", **self._log},
             )
-            stopper = asyncio.create_task(self._relay(stop, abort))
+            stopper = asyncio.create_task(self._relay(stop))
             try:
                 await self._loop(stop)
             finally:
@@ -98,10 +103,22 @@ class Worker:
             await self._pool.close()
             await asyncio.to_thread(telemetry.shutdown_tracing)
             logger.info("worker stopped", extra={"action": "worker_stopped", **self._log})
+        if self._side_failure is not None:
+            raise RuntimeError("a worker side task failed") from self._side_failure
 
-    async def _relay(self, stop: asyncio.Event, abort: asyncio.Event) -> None:
+    async def _relay(self, stop: asyncio.Event) -> None:
         await stop.wait()
         self._attention.set()
+
+    def _side_task_done(self, task: asyncio.Task[None], stop: asyncio.Event,
+                        abort: asyncio.Event) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self._side_failure = task.exception()
+        logger.error("side task %s failed: %r; stopping this worker", task.get_name(),
+                     self._side_failure, extra={"action": "side_task_failed", **self._log})
+        stop.set()
+        abort.set()
 
     async def _register(self) -> None:
         s = self.settings
@@ -149,13 +166,12 @@ class Worker:
                 except (psycopg.OperationalError, TimeoutError) as exc:
                     logger.warning("claim failed: %r", exc,
                                    extra={"action": "claim_failed", **self._log})
-                    claimed = []
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self.settings.poll_seconds)
                     continue
                 next_poll = time.monotonic() + self._poll_delay()
-                for c in claimed:
-                    self._start(c)
+                for c, sent in claimed:
+                    self._start(c, sent)
                 if len(claimed) == free:
                     continue
             timeout = max(next_poll - time.monotonic(), 0)
@@ -164,7 +180,9 @@ class Worker:
             except TimeoutError:
                 next_poll = time.monotonic() + self._poll_delay()
 
-    async def _claim(self, limit: int) -> list[ClaimedRun]:
+    async def _claim(self, limit: int) -> list[tuple[ClaimedRun, float]]:
+        """Claimed runs, each with the local time the claim was sent: the lease started no
+        earlier, so deadlines counted from it are on the safe side."""
         assert self._pool is not None
         sent = time.monotonic()
         touch = sent - self._last_touch > self.settings.heartbeat_seconds
@@ -178,13 +196,13 @@ class Worker:
             self._last_touch = sent
         if reap:
             self._last_reap = sent
-        return claimed
+        return [(c, sent) for c in claimed]
 
-    def _start(self, c: ClaimedRun) -> None:
+    def _start(self, c: ClaimedRun, sent: float) -> None:
         run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=c.input,
                   pool=self._pool, max_message_bytes=self.settings.max_message_bytes,
                   write_timeout=self.settings.lease_seconds / 2)
-        slot = Slot(c, run, deadline=time.monotonic() + self.settings.lease_seconds,
+        slot = Slot(c, run, deadline=sent + self.settings.lease_seconds,
                      extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
         self.slots[c.id] = slot
         slot.task = asyncio.create_task(self._execute(slot), name=f"run-{c.id}")
