@@ -67,8 +67,6 @@ class Run:
         # Writes of one run are serialised: the message sequence is max + 1 under the fence.
         self._write_lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
-        # Test and tracing hooks: (event, call_id) for checkpoint hits and tool executions.
-        self.events: list[tuple[str, str]] = []
 
     # -- state set by the worker -----------------------------------------------------------
 
@@ -152,7 +150,6 @@ class Run:
         args = self._encode(arguments, "tool arguments")
         prior = self._calls.get(call_id)
         if prior is not None and prior.committed:
-            self.events.append(("checkpoint_hit", call_id))
             # Resume is visible in the trace as an event, not as a new execution.
             telemetry.event("runpool.checkpoint.hit", **{
                 telemetry.GENAI_TOOL_CALL_ID: call_id, telemetry.GENAI_TOOL_NAME: name})
@@ -186,7 +183,6 @@ class Run:
                 await checkpoints.record_tool_intent(
                     conn, self.id, self.attempt, call_id, name, Jsonb(args, _raw))
             self._remember(call_id, name, arguments, "started", None)
-            self.events.append(("tool_executed", call_id))
             status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
             try:
                 data = self._encode(result, "tool result")
