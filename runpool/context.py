@@ -18,17 +18,13 @@ import checkpoints
 from checkpoints import Message, ToolCall
 
 from . import telemetry
-from .db import bounded, dumps
+from .db import bounded, dumps, jsonb
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
 
 __all__ = ["Run", "ToolFn"]
 
 ToolFn = Callable[[Any, str], Any] | Callable[[Any, str], Awaitable[Any]]
 T = TypeVar("T")
-
-
-def _raw(data: Any) -> Any:
-    return data
 
 
 class Run:
@@ -120,7 +116,7 @@ class Run:
         async with self._write_lock, bounded(pool, self._write_timeout) as conn:
             try:
                 seq = await checkpoints.append_message(
-                    conn, self.id, self.attempt, role, Jsonb(data, _raw))
+                    conn, self.id, self.attempt, role, jsonb(data))
             except LeaseLost:
                 self._lost = True
                 raise
@@ -181,7 +177,7 @@ class Run:
             async with self._write_lock, bounded(pool, self._write_timeout) as conn:
                 # Committed before the tool runs: a crash from here on leaves the evidence.
                 await checkpoints.record_tool_intent(
-                    conn, self.id, self.attempt, call_id, name, Jsonb(args, _raw))
+                    conn, self.id, self.attempt, call_id, name, jsonb(args))
             self._remember(call_id, name, arguments, "started", None)
             status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
             try:
@@ -193,8 +189,8 @@ class Run:
             async with self._write_lock, bounded(pool, self._write_timeout) as conn:
                 seq = await checkpoints.commit_tool_result(
                     conn, self.id, self.attempt, call_id, status=status,
-                    result=Jsonb(data, _raw), message_role="tool",
-                    message_content=Jsonb(data, _raw))
+                    result=jsonb(data), message_role="tool",
+                    message_content=jsonb(data))
         except LeaseLost:
             self._lost = True
             raise

@@ -12,7 +12,7 @@ import orjson
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.abc import AdaptContext
-from psycopg.types.json import set_json_dumps, set_json_loads
+from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
 from .errors import InvalidInput
@@ -22,6 +22,7 @@ __all__ = [
     "configure",
     "connect",
     "dumps",
+    "jsonb",
     "loads",
     "open_pool",
     "translate_error",
@@ -62,6 +63,15 @@ def dumps(value: Any) -> bytes:
     if b"\\u0000" in data and _NUL_ESCAPE.search(data):
         raise InvalidInput("JSON text contains a NUL character (\\u0000), which jsonb rejects")
     return data
+
+
+def _as_is(data: Any) -> Any:
+    return data
+
+
+def jsonb(data: bytes) -> Jsonb:
+    """JSON already serialised by dumps(), as a jsonb parameter (not serialised again)."""
+    return Jsonb(data, dumps=_as_is)
 
 
 def loads(data: bytes | bytearray | memoryview | str) -> Any:

@@ -11,9 +11,9 @@ from typing import Any, Final
 
 import psycopg
 from psycopg import pq
-from psycopg.types.json import Jsonb
 
-from .db import dumps, translate_error
+from .db import dumps, jsonb, translate_error
+from .errors import InvalidInput
 from .telemetry import RUN_ID, enqueue_traceparent
 
 __all__ = ["RunSpec", "enqueue", "enqueue_async", "enqueue_many"]
@@ -54,13 +54,13 @@ class RunSpec:
         for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
             value = getattr(self, name)
             if isinstance(value, str) and "\x00" in value:
-                raise _nul(name)
+                raise InvalidInput(f"{name} contains a NUL (0x00) character")
         # Serialised here so a value jsonb cannot hold fails before the database sees it.
         payload = dumps(self.input)
         return {
             "tenant": self.tenant,
             "handler": self.handler,
-            "input": Jsonb(payload, dumps=_passthrough),
+            "input": jsonb(payload),
             "priority": self.priority,
             "idempotency_key": self.idempotency_key,
             "run_at": self.run_at,
@@ -68,16 +68,6 @@ class RunSpec:
             "traceparent": self.traceparent,
             "serial_key": self.serial_key,
         }
-
-
-def _passthrough(data: Any) -> Any:
-    return data
-
-
-def _nul(name: str) -> Exception:
-    from .errors import InvalidInput
-
-    return InvalidInput(f"{name} contains a NUL (0x00) character")
 
 
 @contextmanager

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import psycopg
-from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from .db import bounded, dumps, loads
+from .db import bounded, dumps, jsonb, loads
 from .errors import Fail, InvalidInput, ToolOutcomeUnknown
 from .queries import QUERIES
 
@@ -24,10 +23,6 @@ __all__ = ["Outcome", "OutcomeWriter", "error_doc", "from_exception", "from_resu
 logger = logging.getLogger("runpool.outcomes")
 
 OutcomeKind = Literal["succeeded", "failed", "cancelled", "retry"]
-
-
-def _raw(data: Any) -> Any:
-    return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +114,8 @@ class OutcomeWriter:
             "ids": [o.run_id for o in outcomes],
             "attempts": [o.attempt for o in outcomes],
             "outcomes": [o.kind for o in outcomes],
-            "results": [None if o.result is None else Jsonb(o.result, _raw) for o in outcomes],
-            "errors": [None if o.error is None else Jsonb(o.error, _raw) for o in outcomes],
+            "results": [None if o.result is None else jsonb(o.result) for o in outcomes],
+            "errors": [None if o.error is None else jsonb(o.error) for o in outcomes],
             "delays": [o.retry_delay for o in outcomes],
         }
         delay = 0.05
