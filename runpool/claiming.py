@@ -12,7 +12,7 @@ from psycopg.rows import dict_row
 
 from .queries import QUERIES
 
-__all__ = ["ClaimedRun", "claim", "reap"]
+__all__ = ["ClaimedRun", "claim", "claim_statements", "read_claimed", "reap"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,45 @@ async def reap(conn: psycopg.AsyncConnection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
+async def claim_statements(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    worker_id: uuid.UUID,
+    limit: int,
+    lease_seconds: float,
+    touch: bool = False,
+    reap_expired: bool = True,
+) -> psycopg.AsyncCursor[dict[str, Any]] | None:
+    """The claim's statements, run inside the caller's pipelined transaction. Returns the
+    cursor of claimed rows (None when no tenant has work and room), to be read after COMMIT:
+    a run is handed to a handler only once its claim is durable.
+
+    The tenant locks make quotas exact under any number of concurrent claimers; the claim
+    statement runs after them so its snapshot already sees every earlier claimer's commit.
+    With `touch`, the worker's liveness is recorded in the same transaction, so an idle worker
+    costs one transaction per poll and no more. `reap_expired` returns expired leases to the
+    queue first (a busy worker need not do it on every claim: an expired lease never counts
+    against a quota, it only waits to be claimable again).
+    """
+    if reap_expired:
+        await conn.execute(QUERIES["reap_expired"])
+    if touch:
+        await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
+    cur = await conn.execute(QUERIES["lock_tenants"])
+    tenants = [t for (t,) in await cur.fetchall()]
+    if not tenants:
+        return None
+    claimed = conn.cursor(row_factory=dict_row)
+    await claimed.execute(QUERIES["claim_runs"], {
+        "tenants": tenants, "limit": limit, "worker_id": worker_id,
+        "lease_seconds": lease_seconds})
+    return claimed
+
+
+async def read_claimed(cursor: psycopg.AsyncCursor[dict[str, Any]] | None) -> list[ClaimedRun]:
+    return [ClaimedRun(**row) for row in await cursor.fetchall()] if cursor else []
+
+
 async def claim(
     conn: psycopg.AsyncConnection[Any],
     *,
@@ -48,38 +87,14 @@ async def claim(
     touch: bool = False,
     reap_expired: bool = True,
 ) -> list[ClaimedRun]:
-    """Claim up to `limit` runs in one short transaction (never held across handler code).
-
-    The tenant locks make quotas exact under any number of concurrent claimers; the claim
-    statement runs after them so its snapshot already sees every earlier claimer's commit.
-    With `touch`, the worker's liveness is recorded in the same transaction, so an idle worker
-    costs one transaction per poll and no more. `reap_expired` returns expired leases to the
-    queue first (a busy worker need not do it on every claim: an expired lease never counts
-    against a quota, it only waits to be claimable again).
-    """
+    """Claim up to `limit` runs in one short transaction (never held across handler code)."""
     if limit <= 0:
         return []
     # Pipelined: BEGIN, the reap and the tenant locks travel in one round trip; the claim and
     # COMMIT in a second.
     async with conn.pipeline():
         async with conn.transaction():
-            if reap_expired:
-                await conn.execute(QUERIES["reap_expired"])
-            if touch:
-                await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
-            cur = await conn.execute(QUERIES["lock_tenants"])
-            tenants = [t for (t,) in await cur.fetchall()]
-            if not tenants:
-                return []
-            claimed = conn.cursor(row_factory=dict_row)
-            await claimed.execute(
-                QUERIES["claim_runs"],
-                {
-                    "tenants": tenants,
-                    "limit": limit,
-                    "worker_id": worker_id,
-                    "lease_seconds": lease_seconds,
-                },
-            )
-    # Read only after COMMIT: a run is handed to a handler once its claim is durable.
-    return [ClaimedRun(**row) for row in await claimed.fetchall()]
+            cursor = await claim_statements(
+                conn, worker_id=worker_id, limit=limit, lease_seconds=lease_seconds,
+                touch=touch, reap_expired=reap_expired)
+    return await read_claimed(cursor)

@@ -6,19 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import traceback
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from .claiming import ClaimedRun, read_claimed
 from .db import bounded, dumps, jsonb, loads
 from .errors import Fail, InvalidInput, ToolOutcomeUnknown
 from .queries import QUERIES
 
-__all__ = ["Outcome", "OutcomeWriter", "error_doc", "from_exception", "from_result"]
+__all__ = ["Outcome", "OutcomeWriter", "Refill", "error_doc", "from_exception", "from_result"]
 
 logger = logging.getLogger("runpool.outcomes")
 
@@ -82,16 +84,30 @@ def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_
                                    traceback="".join(traceback.format_exception(exc)[-5:])))
 
 
+class Refill(Protocol):
+    """Claims replacements for the slots a batch of outcomes frees, in the same transaction."""
+
+    def capacity(self, freed: int) -> int: ...
+
+    async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
+                         ) -> psycopg.AsyncCursor[dict[str, Any]] | None: ...
+
+    def started(self, claimed: list[ClaimedRun], sent: float) -> None: ...
+
+
 class OutcomeWriter:
     """Batches outcomes from all slots of a worker.
 
     Batches form naturally: while one statement is in flight, the outcomes finished meanwhile
-    wait in the queue and all go in the next one.
+    wait in the queue and all go in the next one. With a `refill`, the same transaction also
+    claims runs for the slots the batch frees: one commit per cycle instead of two.
     """
 
-    def __init__(self, pool: AsyncConnectionPool, *, worker_id: uuid.UUID) -> None:
+    def __init__(self, pool: AsyncConnectionPool, *, worker_id: uuid.UUID,
+                 refill: Refill | None = None) -> None:
         self._pool = pool
         self._worker_id = worker_id
+        self._refill = refill
         self._queue: asyncio.Queue[tuple[Outcome, asyncio.Future[str | None]]] = asyncio.Queue()
 
     async def submit(self, outcome: Outcome) -> str | None:
@@ -119,11 +135,23 @@ class OutcomeWriter:
             "delays": [o.retry_delay for o in outcomes],
         }
         delay = 0.05
+        claimed: list[ClaimedRun] = []
+        sent = time.monotonic()
         for attempt in range(8):
+            # Refill only on the first try: a failing claim must not hold outcomes back.
+            room = self._refill.capacity(len(batch)) if self._refill and not attempt else 0
             try:
                 async with bounded(self._pool, 10) as conn:
-                    cur = await conn.execute(QUERIES["finish_runs"], params)
-                    statuses = {run_id: status for run_id, status in await cur.fetchall()}
+                    if room > 0:
+                        assert self._refill is not None
+                        async with conn.pipeline():
+                            async with conn.transaction():
+                                finished = await conn.execute(QUERIES["finish_runs"], params)
+                                cursor = await self._refill.statements(conn, room)
+                        claimed = await read_claimed(cursor)
+                    else:
+                        finished = await conn.execute(QUERIES["finish_runs"], params)
+                    statuses = {run_id: status for run_id, status in await finished.fetchall()}
                 break
             except (psycopg.OperationalError, TimeoutError) as exc:
                 # The database is unreachable: keep trying for a while; if it stays away the
@@ -139,3 +167,6 @@ class OutcomeWriter:
         for outcome, done in batch:
             if not done.done():
                 done.set_result(statuses.get(outcome.run_id))
+        if claimed:
+            assert self._refill is not None
+            self._refill.started(claimed, sent)

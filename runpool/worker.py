@@ -23,7 +23,7 @@ import checkpoints
 from . import outcomes, telemetry
 from .app import App
 from .cancellation import Canceller
-from .claiming import ClaimedRun, claim
+from .claiming import ClaimedRun, claim, claim_statements
 from .context import Run
 from .db import bounded, open_pool
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
@@ -59,6 +59,8 @@ class Worker:
         self._db_timeout = max(2.0, min(10.0, settings.lease_seconds / 3))
         self.cancels = Canceller(self)
         self._side_failure: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._reserved = 0
         self.listener: Listener | None = None
         self._log = {"worker_id": str(self.id)}
 
@@ -72,7 +74,8 @@ class Worker:
         side: list[asyncio.Task[None]] = []
         try:
             await self._register()
-            self._outcomes = OutcomeWriter(self._pool, worker_id=self.id)
+            self._stop = stop
+            self._outcomes = OutcomeWriter(self._pool, worker_id=self.id, refill=self)
             side.append(asyncio.create_task(self._outcomes.run(), name="outcomes"))
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
@@ -180,23 +183,47 @@ class Worker:
             except TimeoutError:
                 next_poll = time.monotonic() + self._poll_delay()
 
+    def _claim_options(self) -> dict[str, Any]:
+        now = time.monotonic()
+        touch = now - self._last_touch > self.settings.heartbeat_seconds
+        # Reclaiming within a second of expiry is plenty; a claim every few ms need not reap.
+        reap = now - self._last_reap > REAP_INTERVAL
+        # Marked done when sent: a failed claim is simply repeated at the next one.
+        if touch:
+            self._last_touch = now
+        if reap:
+            self._last_reap = now
+        return {"worker_id": self.id, "lease_seconds": self.settings.lease_seconds,
+                "touch": touch, "reap_expired": reap}
+
     async def _claim(self, limit: int) -> list[tuple[ClaimedRun, float]]:
         """Claimed runs, each with the local time the claim was sent: the lease started no
         earlier, so deadlines counted from it are on the safe side."""
         assert self._pool is not None
         sent = time.monotonic()
-        touch = sent - self._last_touch > self.settings.heartbeat_seconds
-        # Reclaiming within a second of expiry is plenty; a claim every few ms need not reap.
-        reap = sent - self._last_reap > REAP_INTERVAL
-        async with bounded(self._pool, self._db_timeout) as conn:
-            claimed = await claim(conn, worker_id=self.id, limit=limit,
-                                  lease_seconds=self.settings.lease_seconds, touch=touch,
-                                  reap_expired=reap)
-        if touch:
-            self._last_touch = sent
-        if reap:
-            self._last_reap = sent
+        # Slots this claim may fill: the outcome writer's refill must not count them as free.
+        self._reserved += limit
+        try:
+            async with bounded(self._pool, self._db_timeout) as conn:
+                claimed = await claim(conn, limit=limit, **self._claim_options())
+        finally:
+            self._reserved -= limit
         return [(c, sent) for c in claimed]
+
+    # -- refill: claims riding on the outcome writer's transaction (see OutcomeWriter) ---------
+
+    def capacity(self, freed: int) -> int:
+        if self._stop is None or self._stop.is_set():
+            return 0
+        return max(self.settings.concurrency - len(self.slots) - self._reserved + freed, 0)
+
+    async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
+                         ) -> psycopg.AsyncCursor[dict[str, Any]] | None:
+        return await claim_statements(conn, limit=limit, **self._claim_options())
+
+    def started(self, claimed: list[ClaimedRun], sent: float) -> None:
+        for c in claimed:
+            self._start(c, sent)
 
     def _start(self, c: ClaimedRun, sent: float) -> None:
         run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=c.input,
