@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
 
 import runpool
-from tests.helpers import events, run_row, running_pool, wait_for
+from runpool.db import connect
+from runpool.migrate import migrate
+from tests.helpers import events, run_row, running_pool, scalar, wait_for
 from tests.proxy import Proxy
 
 
@@ -71,3 +74,46 @@ def test_poison_run__fails_after_its_attempts_and_the_pool_recovers(
     row = run_row(conn, poison)
     assert (row["attempt"], row["error"]["reason"]) == (3, "lease_expired")
     assert events(conn, poison).count("reclaimed") == 2
+
+
+@pytest.fixture
+def private_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A PostgreSQL of this test's own (pgserver), so the test may crash and restart it."""
+    import pgserver
+
+    data = tmp_path_factory.mktemp("private-pg")
+    data.chmod(0o777)  # pgserver runs postgres as its own system user when we are root
+    server = pgserver.get_server(data, cleanup_mode="stop")  # type: ignore[attr-defined]
+    yield server
+    server.cleanup()
+
+
+def test_postgres_crash_restart__runs_in_flight_all_finish_once(private_server: Any) -> None:
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
+
+    dsn = str(private_server.get_uri())
+    with connect(dsn, autocommit=True) as conn:
+        migrate(conn)
+        ids = [runpool.enqueue(conn, "acme", "sleep", {"seconds": 2}) for _ in range(20)]
+    with running_pool(dsn, workers=2, concurrency=10, lease_seconds=6) as pool:
+        with connect(dsn, autocommit=True) as conn:
+            wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.runs"
+                                    " WHERE status = 'running'") == 20, what="20 in flight")
+        # A crash: every backend killed at once, then crash recovery replays the WAL.
+        pg_ctl(["-w", "-m", "immediate", "restart"], pgdata=private_server.pgdata,
+               user=private_server.system_user, timeout=60)
+
+        def all_done() -> bool:
+            try:
+                with connect(dsn, autocommit=True) as c:
+                    return bool(scalar(c, "SELECT count(*) FROM runpool.runs"
+                                       " WHERE status = 'succeeded'") == 20)
+            except psycopg.OperationalError:
+                return False  # still recovering
+
+        wait_for(all_done, timeout=60, what="every run finished after the restart")
+        assert "action=listen_lost" in pool.log()  # the crash really cut the workers off
+    with connect(dsn, autocommit=True) as conn:
+        for run_id in ids:
+            kinds = events(conn, run_id)
+            assert kinds.count("succeeded") == 1 and kinds[-1] == "succeeded", kinds
