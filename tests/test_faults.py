@@ -85,7 +85,14 @@ def private_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     data.chmod(0o777)  # pgserver runs postgres as its own system user when we are root
     server = pgserver.get_server(data, cleanup_mode="stop")  # type: ignore[attr-defined]
     yield server
-    server.cleanup()
+    # Stopped by hand: after a restart pgserver's own cleanup no longer knows the postmaster.
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
+
+    try:
+        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user,
+               timeout=60)
+    except Exception:  # already stopped
+        pass
 
 
 def test_postgres_crash_restart__runs_in_flight_all_finish_once(private_server: Any) -> None:
