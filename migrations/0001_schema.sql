@@ -88,13 +88,29 @@ CREATE TABLE runpool.runs (
     created_at          timestamptz NOT NULL DEFAULT now(),
     started_at          timestamptz,
     finished_at         timestamptz,
+    -- Runs sharing (tenant, serial_key) run one at a time, in serial_order (enqueue order).
+    serial_key          text
+        CONSTRAINT serial_key_length CHECK (length(serial_key) BETWEEN 1 AND 200),
+    serial_order        bigint,
+    -- Waiting behind an earlier run of its serial key, outside the claim index, so a key with
+    -- 10,000 waiting runs costs the claim nothing. Only a key's head (its earliest unfinished
+    -- run) is ever claimable; when it ends, the next one is released (see 0002).
+    held                boolean NOT NULL DEFAULT false,
+    CONSTRAINT held_only_queued CHECK (NOT held OR status = 'queued'),
     CONSTRAINT running_has_lease CHECK ((status = 'running') = (lease_expires_at IS NOT NULL)),
     CONSTRAINT finished_when_terminal
         CHECK ((status IN ('succeeded', 'failed', 'cancelled')) = (finished_at IS NOT NULL))
 );
 
--- The queue: each tenant's waiting runs in claim order. The claim reads only the head of it.
-CREATE INDEX runs_queue ON runpool.runs (tenant, rank) WHERE status = 'queued';
+CREATE SEQUENCE runpool.serial_order;
+
+-- The queue: each tenant's claimable runs in claim order. The claim reads only the head of it.
+CREATE INDEX runs_queue ON runpool.runs (tenant, rank) WHERE status = 'queued' AND NOT held;
+-- A serial key's waiting runs, in order (for releasing the next one).
+CREATE INDEX runs_serial_held ON runpool.runs (tenant, serial_key, serial_order) WHERE held;
+-- A serial key's runs that still block it.
+CREATE INDEX runs_serial_active ON runpool.runs (tenant, serial_key)
+    WHERE serial_key IS NOT NULL AND status IN ('queued', 'running');
 -- Live leases per tenant (quota counting) and expired leases (the reaper).
 CREATE INDEX runs_running_tenant ON runpool.runs (tenant, lease_expires_at) WHERE status = 'running';
 CREATE INDEX runs_lease ON runpool.runs (lease_expires_at) WHERE status = 'running';
@@ -117,3 +133,4 @@ CREATE INDEX run_events_run ON runpool.run_events (run_id, id);
 GRANT USAGE ON SCHEMA runpool TO runpool_api, runpool_worker;
 GRANT SELECT ON ALL TABLES IN SCHEMA runpool TO runpool_api;
 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA runpool TO runpool_worker;
+GRANT USAGE ON SEQUENCE runpool.serial_order TO runpool_worker;

@@ -11,6 +11,7 @@ DECLARE
     quota integer;
     live integer;
     ahead bigint;
+    blocker uuid;
     reasons jsonb := '[]';
     doc jsonb;
 BEGIN
@@ -22,7 +23,7 @@ BEGIN
         'run_id', run.id, 'tenant', run.tenant, 'handler', run.handler, 'status', run.status,
         'priority', run.priority, 'attempt', run.attempt, 'max_attempts', run.max_attempts,
         'attempts_left', run.max_attempts - (run.attempt - run.attempt_offset),
-        'created_at', run.created_at);
+        'created_at', run.created_at, 'serial_key', run.serial_key);
     IF run.status = 'running' THEN
         RETURN doc || jsonb_build_object(
             'worker_id', run.worker_id, 'started_at', run.started_at,
@@ -50,6 +51,13 @@ BEGIN
         reasons := reasons || jsonb_build_array(CASE WHEN quota = 0
             THEN format('tenant %s is paused (quota 0)', run.tenant)
             ELSE format('tenant %s at quota %s/%s', run.tenant, live, quota) END);
+    END IF;
+    IF run.held THEN
+        SELECT b.id INTO blocker FROM runpool.runs b
+        WHERE b.tenant = run.tenant AND b.serial_key = run.serial_key
+          AND b.status IN ('queued', 'running') AND NOT b.held;
+        reasons := reasons || jsonb_build_array(
+            format('waiting for run %s of the same serial key %s', blocker, run.serial_key));
     END IF;
     IF run.available_at > now() THEN
         reasons := reasons || jsonb_build_array(

@@ -78,23 +78,15 @@ async def read_claimed(cursor: psycopg.AsyncCursor[dict[str, Any]] | None) -> li
     return [ClaimedRun(**row) for row in await cursor.fetchall()] if cursor else []
 
 
-async def claim(
-    conn: psycopg.AsyncConnection[Any],
-    *,
-    worker_id: uuid.UUID,
-    limit: int,
-    lease_seconds: float,
-    touch: bool = False,
-    reap_expired: bool = True,
-) -> list[ClaimedRun]:
-    """Claim up to `limit` runs in one short transaction (never held across handler code)."""
+async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, **options: Any
+                ) -> list[ClaimedRun]:
+    """Claim up to `limit` runs in one short transaction of their own (never held across
+    handler code); `options` are claim_statements' (worker_id, lease_seconds, ...)."""
     if limit <= 0:
         return []
     # Pipelined: BEGIN, the reap and the tenant locks travel in one round trip; the claim and
     # COMMIT in a second.
     async with conn.pipeline():
         async with conn.transaction():
-            cursor = await claim_statements(
-                conn, worker_id=worker_id, limit=limit, lease_seconds=lease_seconds,
-                touch=touch, reap_expired=reap_expired)
+            cursor = await claim_statements(conn, limit=limit, **options)
     return await read_claimed(cursor)

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Final
 
+import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from .bench import (
@@ -27,6 +28,22 @@ from .pool_process import pool_process
 __all__ = ["WORKLOADS"]
 
 
+def _drain(conn: psycopg.Connection[Any], dsn: str, specs: list[RunSpec]) -> tuple[float, float]:
+    """Enqueue `specs` in bulk (chunks of 2,000, one transaction), then drain them with
+    2 workers x 10; returns (enqueue runs/s, drain runs/s by the database's clock)."""
+    started = time.perf_counter()
+    for chunk in range(0, len(specs), 2000):
+        enqueue_many(conn, specs[chunk:chunk + 2000])
+    conn.commit()
+    enqueue_rate = len(specs) / (time.perf_counter() - started)
+    conn.autocommit = True
+    with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
+        wait_until(conn, COUNT_DONE, len(specs), timeout=900)
+    row = conn.execute(DRAIN_RATE).fetchone()
+    assert row is not None
+    return enqueue_rate, float(row[0])
+
+
 def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False) -> dict[str, Any]:
     """W1: `runs` no-op runs enqueued in bulk, drained by 2 workers x 10."""
     with scratch_database(server) as dsn, connect(dsn) as conn:
@@ -35,20 +52,11 @@ def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False) -> d
             for t in range(tenants):
                 conn.execute("SELECT runpool.set_tenant_quota(%s, 5)", (f"tenant{t}",))
             conn.commit()
-        started = time.perf_counter()
-        for chunk in range(0, runs, 2000):
-            enqueue_many(conn, [
-                RunSpec(f"tenant{i % tenants}", "noop", priority=(i % 7) - 3 if quotas else 0)
-                for i in range(chunk, min(chunk + 2000, runs))])
-        conn.commit()
-        enqueue_rate = runs / (time.perf_counter() - started)
-        conn.autocommit = True
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
-            wait_until(conn, COUNT_DONE, runs, timeout=600)
-        row = conn.execute(DRAIN_RATE).fetchone()
-        assert row is not None
+        enqueue_rate, drain_rate = _drain(conn, dsn, [
+            RunSpec(f"tenant{i % tenants}", "noop", priority=(i % 7) - 3 if quotas else 0)
+            for i in range(runs)])
         return {"workload": "W1q" if quotas else "W1", "runs": runs,
-                "runs_per_s": round(float(row[0]), 1), "enqueue_per_s": round(enqueue_rate, 1)}
+                "runs_per_s": round(drain_rate, 1), "enqueue_per_s": round(enqueue_rate, 1)}
 
 
 # Runs of a key that started before an earlier-enqueued run of the same key.
@@ -65,21 +73,13 @@ def w10_serial_keys(server: str, *, keys: int = 1000, per_key: int = 20) -> dict
     """W10: `keys` serial keys x `per_key` no-op runs, drained by 2 workers x 10."""
     runs = keys * per_key
     with scratch_database(server) as dsn, connect(dsn) as conn:
-        started = time.perf_counter()
-        specs = [RunSpec("tenant0", "noop", serial_key=f"conversation-{k}")
-                 for _ in range(per_key) for k in range(keys)]
-        for chunk in range(0, runs, 2000):
-            enqueue_many(conn, specs[chunk:chunk + 2000])
-        conn.commit()
-        enqueue_rate = runs / (time.perf_counter() - started)
-        conn.autocommit = True
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
-            wait_until(conn, COUNT_DONE, runs, timeout=900)
-        rate = conn.execute(DRAIN_RATE).fetchone()
+        enqueue_rate, drain_rate = _drain(conn, dsn, [
+            RunSpec("tenant0", "noop", serial_key=f"conversation-{k}")
+            for _ in range(per_key) for k in range(keys)])
         violations = conn.execute(ORDER_VIOLATIONS).fetchone()
-        assert rate is not None and violations is not None
+        assert violations is not None
         return {"workload": "W10", "runs": runs, "keys": keys,
-                "runs_per_s": round(float(rate[0]), 1), "enqueue_per_s": round(enqueue_rate, 1),
+                "runs_per_s": round(drain_rate, 1), "enqueue_per_s": round(enqueue_rate, 1),
                 "order_violations": int(violations[0])}
 
 

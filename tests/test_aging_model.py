@@ -10,13 +10,12 @@ from typing import Any
 import psycopg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from psycopg.types.json import Jsonb
 
 import runpool
 from runpool.claiming import ClaimedRun, claim
 from runpool.db import aconnect
 from runpool.queries import QUERIES
-from tests.helpers import run_row
+from tests.helpers import finish_params, run_row
 
 AGING = 0.02  # seconds of waiting worth one priority point
 
@@ -133,10 +132,8 @@ async def _check_model(dsn: str, ops: list[tuple[Any, ...]]) -> None:
                     continue
                 run_id = running[op[1] % len(running)]
                 if kind == "finish":
-                    await c.execute(QUERIES["finish_runs"], {
-                        "ids": [run_id], "attempts": [attempts[run_id]],
-                        "outcomes": ["succeeded"], "results": [Jsonb(None)], "errors": [None],
-                        "delays": [0.0]})
+                    await c.execute(QUERIES["finish_runs"],
+                                    finish_params([(run_id, attempts[run_id])]))
                     model.runs[run_id][2] = "done"
                 else:
                     await c.execute("UPDATE runpool.runs SET lease_expires_at = now()"

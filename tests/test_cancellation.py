@@ -16,7 +16,7 @@ import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect, connect
 from runpool.queries import QUERIES
-from tests.helpers import events, run_row, running_pool, scalar, wait_for
+from tests.helpers import events, finish_params, run_row, running_pool, scalar, wait_for
 
 CANCEL = "SELECT runpool.cancel_run(%s, %s)"
 
@@ -178,12 +178,10 @@ def test_race_cancel_during_final_commit__cancel_reports_what_won(
     second = runpool.enqueue(conn, "acme", "noop")
     conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
                  " lease_expires_at = now() + interval '1 minute'")
-    finish = {"attempts": [1], "outcomes": ["succeeded"],
-              "results": [psycopg.types.json.Jsonb(1)], "errors": [None], "delays": [0.0]}
     # The commit wins: the cancel, blocked behind it, reports the truth.
     answers: list[Any] = []
     with connect(dsn) as worker:
-        worker.execute(QUERIES["finish_runs"], {"ids": [first], **finish})
+        worker.execute(QUERIES["finish_runs"], finish_params([(first, 1)]))
         canceller = _cancel_in_thread(dsn, first, "late", answers)
         wait_for(lambda: _blocked(conn), what="cancel blocked behind the commit")
         worker.commit()
@@ -192,7 +190,7 @@ def test_race_cancel_during_final_commit__cancel_reports_what_won(
     # The cancel wins the row first: it says 'cancelling'; a handler that still finishes its
     # work ends succeeded, and a repeated cancel says so.
     assert scalar(conn, CANCEL, second, "early") == "cancelling"
-    conn.execute(QUERIES["finish_runs"], {"ids": [second], **finish})
+    conn.execute(QUERIES["finish_runs"], finish_params([(second, 1)]))
     assert scalar(conn, CANCEL, second, "again") == "succeeded"
 
 

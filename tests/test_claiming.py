@@ -10,7 +10,7 @@ import runpool
 from runpool.claiming import claim, reap
 from runpool.db import aconnect
 from runpool.queries import QUERIES
-from tests.helpers import events, run_row, scalar, wait_for
+from tests.helpers import events, finish_params, run_row, scalar, wait_for
 
 
 async def _claimer(dsn: str, claimed: list[uuid.UUID], ready: asyncio.Barrier) -> None:
@@ -104,9 +104,8 @@ def test_finish__fenced_by_attempt(conn: psycopg.Connection) -> None:
     run_id = runpool.enqueue(conn, "t", "noop")
     conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 2,"
                  " lease_expires_at = now() + interval '30 seconds'")
-    params = {"ids": [run_id], "outcomes": ["succeeded"], "results": [psycopg.types.json.Jsonb(1)],
-              "errors": [None], "delays": [0.0]}
-    assert conn.execute(QUERIES["finish_runs"], {**params, "attempts": [1]}).fetchall() == []
+    stale = conn.execute(QUERIES["finish_runs"], finish_params([(run_id, 1)])).fetchall()
+    assert stale == []
     assert run_row(conn, run_id)["status"] == "running"
-    assert conn.execute(QUERIES["finish_runs"], {**params, "attempts": [2]}).fetchall() == [
+    assert conn.execute(QUERIES["finish_runs"], finish_params([(run_id, 2)])).fetchall() == [
         (run_id, "succeeded")]

@@ -101,7 +101,7 @@ def test_serial_key__cancelling_frees_the_key_and_keeps_the_rest_in_order(
 
 def test_serial_key__existing_calls_work_and_bad_keys_are_refused(
         conn: psycopg.Connection) -> None:
-    # The eight-argument call of the SQL API still works after the migration.
+    # The eight-argument call of the SQL API (before serial keys) still works.
     scalar(conn, "SELECT runpool.enqueue('t', 'noop', '{}', 0, NULL, NULL, NULL, NULL)")
     for bad in ("", "k" * 201):
         with pytest.raises(runpool.InvalidInput, match="serial_key must be 1 to 200"):
