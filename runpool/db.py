@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -135,10 +137,39 @@ async def bounded(pool: AsyncConnectionPool, seconds: float
 
     A silent server — a black-holed network path, a peer that vanished mid-query — otherwise
     hangs a statement until TCP gives up, which can take many minutes: keepalives only probe
-    idle connections. A connection abandoned mid-statement is closed by the pool, not reused.
+    idle connections. At the deadline the socket is shut down, so the statement fails at once
+    like a connection the network broke, and the connection is closed rather than reused.
+    Cancelling the task instead would be slower than the fault: psycopg answers a cancelled
+    statement by sending a cancel request and waiting for the server, up to ten seconds more
+    on a silent path — longer than a lease.
     """
-    async with asyncio.timeout(seconds), pool.connection(timeout=seconds) as conn:
-        yield conn
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    async with pool.connection(timeout=seconds) as conn:
+        severed: list[bool] = []
+        timer = loop.call_at(deadline, _sever, conn, severed)
+        try:
+            yield conn
+        except psycopg.OperationalError as exc:
+            if severed:
+                raise TimeoutError(f"database work did not finish within {seconds:g}s") from exc
+            raise
+        finally:
+            timer.cancel()
+            if severed:
+                await conn.close()
+
+
+def _sever(conn: psycopg.AsyncConnection[Any], severed: list[bool]) -> None:
+    """Break the connection under a statement that outlived its deadline."""
+    severed.append(True)
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.OperationalError:
+        return  # already closed
+    # shutdown() acts on the socket, not the descriptor: the duplicate reaches psycopg's too.
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def translate_error(exc: psycopg.Error) -> Exception:

@@ -41,9 +41,9 @@ def test_blackholed_database__worker_gives_up_its_lease_and_recovers_after_heali
         # New connections work again: the run is reclaimed and finished by a fresh attempt.
         wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=40,
                  what="run finished after healing")
-    row = run_row(conn, run_id)
-    assert row["attempt"] == 2 and row["result"]["attempt"] == 2
-    assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+        row = run_row(conn, run_id)
+        assert row["attempt"] == 2 and row["result"]["attempt"] == 2
+        assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
 
 
 def test_connections_cut__worker_reconnects_and_the_run_finishes(
