@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from . import faults
 from .queries import QUERIES
 
 __all__ = ["ClaimedRun", "claim", "claim_statements", "read_claimed", "reap"]
@@ -67,6 +68,7 @@ async def claim_statements(
     tenants = [t for (t,) in await cur.fetchall()]
     if not tenants:
         return None
+    faults.hit("claim.locked", conn)
     claimed = conn.cursor(row_factory=dict_row)
     await claimed.execute(QUERIES["claim_runs"], {
         "tenants": tenants, "limit": limit, "worker_id": worker_id,
@@ -89,4 +91,5 @@ async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, **options: An
     async with conn.pipeline():
         async with conn.transaction():
             cursor = await claim_statements(conn, limit=limit, **options)
+    faults.hit("claim.committed", conn)
     return await read_claimed(cursor)

@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 
+from . import faults
 from .db import connect, translate_error
 from .embedded import resolve_dsn
 from .errors import InvalidInput, RunpoolError
@@ -195,6 +196,9 @@ def _run(settings: Settings) -> int:
     from .supervisor import Supervisor, load_app
 
     app = load_app(settings.app)
+    if faults.armed():  # parsed here so a malformed spec is refused before any fork
+        print(f"runpool: fault points armed: {', '.join(sorted(faults.armed()))}",
+              file=sys.stderr)
     dsn = resolve_dsn(settings)
     if not settings.dsn:
         from .migrate import migrate

@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 import checkpoints
 from checkpoints import Message, ToolCall
 
-from . import telemetry
+from . import faults, telemetry
 from .db import bounded, dumps, jsonb
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
 
@@ -180,6 +180,7 @@ class Run:
                     conn, self.id, self.attempt, call_id, name, jsonb(args))
             self._remember(call_id, name, arguments, "started", None)
             status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
+            faults.hit("tool.returned")
             try:
                 data = self._encode(result, "tool result")
             except InvalidInput as exc:
@@ -191,6 +192,7 @@ class Run:
                     conn, self.id, self.attempt, call_id, status=status,
                     result=jsonb(data), message_role="tool",
                     message_content=jsonb(data))
+            faults.hit("checkpoint.committed")
         except LeaseLost:
             self._lost = True
             raise

@@ -27,6 +27,7 @@ __all__ = [
     "jsonb",
     "loads",
     "open_pool",
+    "sever",
     "translate_error",
 ]
 
@@ -147,7 +148,7 @@ async def bounded(pool: AsyncConnectionPool, seconds: float
     deadline = loop.time() + seconds
     async with pool.connection(timeout=seconds) as conn:
         severed: list[bool] = []
-        timer = loop.call_at(deadline, _sever, conn, severed)
+        timer = loop.call_at(deadline, _sever_late, conn, severed)
         try:
             yield conn
         except psycopg.OperationalError as exc:
@@ -160,9 +161,13 @@ async def bounded(pool: AsyncConnectionPool, seconds: float
                 await conn.close()
 
 
-def _sever(conn: psycopg.AsyncConnection[Any], severed: list[bool]) -> None:
-    """Break the connection under a statement that outlived its deadline."""
+def _sever_late(conn: psycopg.AsyncConnection[Any], severed: list[bool]) -> None:
     severed.append(True)
+    sever(conn)
+
+
+def sever(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> None:
+    """Break a connection as a network cut would: its next (or current) read fails at once."""
     try:
         fd = conn.pgconn.socket
     except psycopg.OperationalError:

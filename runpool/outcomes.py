@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from . import faults
 from .claiming import ClaimedRun, read_claimed
 from .db import bounded, dumps, jsonb, loads
 from .errors import Fail, InvalidInput, ToolOutcomeUnknown
@@ -142,6 +143,7 @@ class OutcomeWriter:
             room = self._refill.capacity(len(batch)) if self._refill and not attempt else 0
             try:
                 async with bounded(self._pool, 10) as conn:
+                    faults.hit("outcome.committing", conn)
                     if room > 0:
                         assert self._refill is not None
                         async with conn.pipeline():

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import runpool
+from runpool.invariants import record_execution
 
 app = runpool.App()
 
@@ -63,8 +64,8 @@ async def timestamp(run: runpool.Run) -> Any:
 
 
 # -- a scripted agent, for checkpoint and resume tests --------------------------------------
-# Side tables (created by the tests): model_calls(run_id, turn, attempt) counts what a real
-# model would have been paid for; tool_log(run_id, call_id, attempt, key) every execution.
+# Side tables (in every test database, see conftest): model_calls(run_id, turn, attempt)
+# counts what a real model would have been paid for; tool_log every real tool execution.
 
 def _log(query: str, params: tuple[Any, ...]) -> None:
     import psycopg
@@ -75,8 +76,8 @@ def _log(query: str, params: tuple[Any, ...]) -> None:
 
 def _lookup_tool(run: runpool.Run) -> Any:
     def lookup(arguments: Any, key: str) -> Any:
-        _log("INSERT INTO tool_log VALUES (%s, %s, %s, %s)",
-             (str(run.id), f"c{arguments['i']}", run.attempt, key))
+        record_execution(os.environ["RUNPOOL_DSN"], run.id, f"c{arguments['i']}", run.attempt,
+                         key)
         if run.attempt == 1 and arguments["i"] == run.input.get("crash_in_tool"):
             os._exit(1)  # the side effect happened; the worker dies before committing
         if arguments["i"] == run.input.get("raise_in_tool"):

@@ -20,7 +20,11 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from runpool.db import connect
 from runpool.embedded import start_embedded
+from runpool.invariants import EXECUTIONS_DDL
 from runpool.migrate import migrate
+
+# One row per model turn the scripted agent (tests/apps.py) would have paid for.
+MODEL_CALLS_DDL = "CREATE TABLE model_calls (run_id uuid, turn int, attempt int)"
 
 
 def _with_db(dsn: str, dbname: str) -> str:
@@ -60,6 +64,9 @@ def template_db(server_dsn: str) -> Iterator[str]:
     with _database(server_dsn, "runpool_tmpl") as name:
         with connect(_with_db(server_dsn, name), autocommit=True) as conn:
             migrate(conn)
+            # The test handlers' side tables: what a real model and real tools would have done.
+            conn.execute(EXECUTIONS_DDL)
+            conn.execute(MODEL_CALLS_DDL)
         yield name
 
 

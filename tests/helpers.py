@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.types.json import Jsonb
 
+from runpool import invariants
 from runpool.claiming import claim
 from runpool.db import aconnect
 from runpool.queries import QUERIES
@@ -38,6 +39,14 @@ def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def assert_invariants(conn: psycopg.Connection[Any], **options: Any) -> invariants.Report:
+    """Every reliability invariant holds for what this test's database holds (see
+    runpool.invariants); run at the end of every fault scenario."""
+    report = invariants.check(conn, **options)
+    assert report.ok, "invariants violated:\n" + "\n".join(report.violations)
+    return report
 
 
 def pool_env(dsn: str, **settings: Any) -> dict[str, str]:

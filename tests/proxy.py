@@ -3,6 +3,7 @@
 Black-holed, it keeps every socket open but forwards nothing (what a dead NAT entry or a
 partition looks like from the client: no error, no answer). Healed, new connections work again;
 connections that lost bytes while black-holed stay broken and must be dropped by the client.
+Down, it resets every connection and refuses new ones (an outage: the database is gone).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Proxy:
         self._upstream: Any = (f"{host}/.s.PGSQL.{port}" if host.startswith("/")
                                else (host, port))
         self.blackholed = threading.Event()
+        self.refusing = threading.Event()
         self.connections = 0
         self._sockets: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -38,6 +40,14 @@ class Proxy:
     def close(self) -> None:
         self._listener.close()
         self.cut()
+
+    def down(self) -> None:
+        """Refuse new connections and reset the existing ones, until up()."""
+        self.refusing.set()
+        self.cut()
+
+    def up(self) -> None:
+        self.refusing.clear()
 
     def cut(self) -> None:
         """Reset every connection made so far (both sides see it die at once)."""
@@ -55,6 +65,9 @@ class Proxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self.refusing.is_set():
+                client.close()
+                continue
             family = socket.AF_UNIX if isinstance(self._upstream, str) else socket.AF_INET
             upstream = socket.socket(family, socket.SOCK_STREAM)
             upstream.connect(self._upstream)

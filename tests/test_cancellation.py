@@ -16,7 +16,15 @@ import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect, connect
 from runpool.queries import QUERIES
-from tests.helpers import events, finish_params, run_row, running_pool, scalar, wait_for
+from tests.helpers import (
+    assert_invariants,
+    events,
+    finish_params,
+    run_row,
+    running_pool,
+    scalar,
+    wait_for,
+)
 
 CANCEL = "SELECT runpool.cancel_run(%s, %s)"
 
@@ -44,6 +52,7 @@ def test_cancel_async_run__interrupted_at_its_next_await_and_cleans_up(
     assert cleanup["cancelled"] is True
     assert events(conn, run_id) == ["enqueued", "claimed", "cancel_requested", "cancelled"]
     assert scalar(conn, CANCEL, run_id, "again") == "cancelled"
+    assert_invariants(conn, cancel_bound=15)
 
 
 def test_cancel_sync_run__no_new_tool_call_starts_after_the_cancel(
@@ -66,6 +75,7 @@ def test_cancel_sync_run__no_new_tool_call_starts_after_the_cancel(
     # The call in flight at the cancel was either committed or left interrupted, never both.
     assert scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s"
                   " AND status = 'started'", run_id) <= 1
+    assert_invariants(conn, cancel_bound=15)
 
 
 def test_handler_ignoring_cancellation__recorded_cancelled_after_the_grace(
@@ -78,6 +88,7 @@ def test_handler_ignoring_cancellation__recorded_cancelled_after_the_grace(
         # The only slot is free again although the handler never returned.
         nxt = runpool.enqueue(conn, "acme", "noop")
         wait_for(lambda: _status(conn, nxt) == "succeeded", what="slot freed")
+    assert_invariants(conn)
 
 
 @pytest.mark.parametrize("how", ["listen_off", "listener_killed"])
@@ -95,6 +106,7 @@ def test_cancel_without_notify__arrives_through_the_heartbeat(
         scalar(conn, CANCEL, run_id, "stop")
         # Heartbeat every 0.5 s: well within one interval plus a second.
         wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=3, what="cancelled")
+    assert_invariants(conn, cancel_bound=15)
 
 
 def test_cancel_while_the_worker_is_dead__ends_cancelled_not_reclaimed(
@@ -109,6 +121,7 @@ def test_cancel_while_the_worker_is_dead__ends_cancelled_not_reclaimed(
         wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=15, what="cancelled")
     assert run_row(conn, run_id)["attempt"] == 1
     assert "claimed" not in events(conn, run_id)[2:]
+    assert_invariants(conn, cancel_bound=15)
 
 
 def test_forged_notify__changes_nothing(conn: psycopg.Connection, dsn: str) -> None:

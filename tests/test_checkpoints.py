@@ -16,17 +16,12 @@ from psycopg.types.json import Jsonb
 import checkpoints
 import runpool
 from runpool.db import aconnect
-from tests.helpers import events, run_row, running_pool, scalar, wait_for
-
-SIDE_TABLES = """
-CREATE TABLE model_calls (run_id uuid, turn int, attempt int);
-CREATE TABLE tool_log (run_id uuid, call_id text, attempt int, key text)
-"""
+from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
 
 
 @pytest.fixture
 def side(conn: psycopg.Connection) -> psycopg.Connection:
-    conn.execute(SIDE_TABLES)
+    """The test's connection; its database has the side tables model_calls and tool_log."""
     return conn
 
 
@@ -75,6 +70,7 @@ def test_crash_right_after_a_commit__resumes_without_repeating_tools_or_model_tu
     assert _model_calls(side, run_id) == 5
     assert row["result"] == {"turns": 5, "messages": 10}
     assert events(side, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+    assert_invariants(side)
 
 
 def test_crash_mid_tool_call__retried_when_the_tool_allows_it(side: psycopg.Connection,
@@ -87,6 +83,7 @@ def test_crash_mid_tool_call__retried_when_the_tool_allows_it(side: psycopg.Conn
     assert scalar(side, "SELECT executions FROM runpool.tool_calls WHERE run_id = %s"
                   " AND call_id = 'c2'", run_id) == 2
     assert _model_calls(side, run_id) == 4
+    assert_invariants(side)
 
 
 def test_crash_mid_unsafe_tool_call__agent_told_outcome_unknown_never_a_duplicate(
@@ -104,6 +101,7 @@ def test_crash_mid_unsafe_tool_call__agent_told_outcome_unknown_never_a_duplicat
     notes = [c for (c,) in side.execute("SELECT content FROM runpool.messages"
                                         " WHERE run_id = %s AND role = 'user'", (run_id,))]
     assert notes == [{"note": "c2 may or may not have happened"}]
+    assert_invariants(side)
 
 
 def test_tool_raising__error_is_the_committed_result_and_never_rerun(
@@ -117,6 +115,7 @@ def test_tool_raising__error_is_the_committed_result_and_never_rerun(
                     " AND call_id = 'c1'", run_id)
     assert result == {"error": {"type": "LookupError", "message": "nothing found for 1"}}
     assert _executions(side, run_id) == {"c0": 1, "c1": 1, "c2": 1}
+    assert_invariants(side)
 
 
 def test_tool_result_too_big_or_with_nul__committed_as_an_error_the_model_sees(
@@ -271,6 +270,7 @@ def test_zombie__a_stopped_worker_resumed_after_a_reclaim_writes_nothing(
     executions = _executions(side, run_id)
     assert sorted(executions) == sorted(f"c{i}" for i in range(12))
     assert sum(n - 1 for n in executions.values()) <= 1
+    assert_invariants(side)
 
 
 def test_connections_killed_during_checkpoint_commits__each_call_committed_once(
@@ -307,6 +307,7 @@ def test_connections_killed_during_checkpoint_commits__each_call_committed_once(
     assert all(status == "succeeded" and messages == 1 for _, status, messages in rows)
     assert scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
                   " AND role = 'assistant'", run_id) == 30
+    assert_invariants(side)
 
 
 def live_pool_backends(conn: psycopg.Connection) -> list[int]:
@@ -347,3 +348,4 @@ def test_sample_agent__sigkilled_mid_run_resumes_each_committed_call_run_once(
                         " sample_agent_effects WHERE run_id = %s GROUP BY call_id",
                         (run_id,)).fetchall()
     assert all(n == 1 for _, n in keys)
+    assert_invariants(conn)

@@ -11,7 +11,7 @@ import pytest
 import runpool
 from runpool.db import connect
 from runpool.migrate import migrate
-from tests.helpers import events, run_row, running_pool, scalar, wait_for
+from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
 from tests.proxy import Proxy
 
 
@@ -44,6 +44,7 @@ def test_blackholed_database__worker_gives_up_its_lease_and_recovers_after_heali
         row = run_row(conn, run_id)
         assert row["attempt"] == 2 and row["result"]["attempt"] == 2
         assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+    assert_invariants(conn)
 
 
 def test_connections_cut__worker_reconnects_and_the_run_finishes(
@@ -58,6 +59,7 @@ def test_connections_cut__worker_reconnects_and_the_run_finishes(
         wait_for(lambda: run_row(conn, after)["status"] == "succeeded", timeout=20,
                  what="worker alive after reconnecting")
         assert "action=listen_lost" in pool.log()
+    assert_invariants(conn)
 
 
 def test_poison_run__fails_after_its_attempts_and_the_pool_recovers(
@@ -74,6 +76,7 @@ def test_poison_run__fails_after_its_attempts_and_the_pool_recovers(
     row = run_row(conn, poison)
     assert (row["attempt"], row["error"]["reason"]) == (3, "lease_expired")
     assert events(conn, poison).count("reclaimed") == 2
+    assert_invariants(conn)
 
 
 @pytest.fixture

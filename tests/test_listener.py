@@ -3,7 +3,7 @@ from __future__ import annotations
 import psycopg
 
 import runpool
-from tests.helpers import live_workers, run_row, running_pool, wait_for
+from tests.helpers import assert_invariants, live_workers, run_row, running_pool, wait_for
 
 # The worker's LISTEN connection, seen from the server.
 LISTENER_PIDS = """
@@ -41,6 +41,7 @@ def test_listen_connection_killed__worker_reconnects_and_catches_up(
         wait_for(lambda: run_row(conn, after)["status"] == "succeeded", timeout=10,
                  what="run enqueued after reconnect")
         assert len(live_workers(conn)) == 1
+    assert_invariants(conn)
 
 
 def test_listen_off__polling_alone_picks_up_work(conn: psycopg.Connection, dsn: str) -> None:
@@ -50,3 +51,4 @@ def test_listen_off__polling_alone_picks_up_work(conn: psycopg.Connection, dsn: 
         wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=10,
                  what="polled run")
         assert _listener_pids(conn) == []
+    assert_invariants(conn)

@@ -15,7 +15,15 @@ import pytest
 import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect
-from tests.helpers import events, race_claimers, run_row, running_pool, scalar, wait_for
+from tests.helpers import (
+    assert_invariants,
+    events,
+    race_claimers,
+    run_row,
+    running_pool,
+    scalar,
+    wait_for,
+)
 
 # Keys with more than one live lease right now (must always be empty).
 DOUBLE_LEASES = """
@@ -78,6 +86,7 @@ def test_serial_key__worker_killed_holding_a_key_blocks_it_until_reclaimed_and_f
     # The second run started only after the first one's reclaimed attempt had finished.
     assert b["started_at"] >= a["finished_at"]
     assert events(conn, first) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+    assert_invariants(conn)
 
 
 def test_serial_key__cancelling_frees_the_key_and_keeps_the_rest_in_order(
@@ -97,6 +106,7 @@ def test_serial_key__cancelling_frees_the_key_and_keeps_the_rest_in_order(
     assert statuses == ["cancelled", "succeeded", "cancelled", "succeeded", "succeeded"]
     started = [run_row(conn, i)["started_at"] for i in (ids[1], ids[3], ids[4])]
     assert started == sorted(started)
+    assert_invariants(conn, cancel_bound=15)
 
 
 def test_serial_key__existing_calls_work_and_bad_keys_are_refused(

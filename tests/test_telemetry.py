@@ -38,9 +38,6 @@ def _of_run(spans: list[ReceivedSpan], run_id: uuid.UUID) -> list[ReceivedSpan]:
 
 def test_trace__one_trace_across_a_reclaim_with_genai_tool_spans(
         conn: psycopg.Connection, dsn: str, receiver: Receiver) -> None:
-    conn.execute(
-        "CREATE TABLE model_calls (run_id uuid, turn int, attempt int);"
-        "CREATE TABLE tool_log (run_id uuid, call_id text, attempt int, key text)")
     traceparent = f"00-{TRACE_ID}-{PARENT}-01"
     run_id = scalar(conn, "SELECT runpool.enqueue('acme', 'agent', %s, traceparent => %s)",
                     psycopg.types.json.Jsonb({"steps": 3, "crash_after": 1}), traceparent)

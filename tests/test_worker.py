@@ -10,6 +10,7 @@ import psycopg
 
 import runpool
 from tests.helpers import (
+    assert_invariants,
     events,
     live_workers,
     pid_alive,
@@ -60,6 +61,7 @@ def test_retry__backs_off_then_fails_after_max_attempts_and_retry_run_revives(
         assert conn.execute("SELECT runpool.retry_run(%s)", (doomed,)).fetchone() == ("queued",)
         wait_for(lambda: run_row(conn, doomed)["status"] == "succeeded", what="revived run")
         assert run_row(conn, doomed)["attempt"] == 4
+    assert_invariants(conn)
 
 
 def test_bad_handlers__fail_once_with_a_reason_and_the_worker_keeps_going(
@@ -91,6 +93,7 @@ def test_heartbeats__keep_a_long_run_through_many_lease_periods(
     row = run_row(conn, run_id)
     assert row["attempt"] == 1
     assert events(conn, run_id) == ["enqueued", "claimed", "succeeded"]
+    assert_invariants(conn)
 
 
 def test_worker_sigkilled_mid_run__run_completes_elsewhere_after_lease_expiry(
@@ -106,6 +109,7 @@ def test_worker_sigkilled_mid_run__run_completes_elsewhere_after_lease_expiry(
     row = run_row(conn, run_id)
     assert row["attempt"] == 2 and row["result"]["pid"] != pid
     assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+    assert_invariants(conn)
 
 
 def test_supervisor__restarts_a_killed_worker(conn: psycopg.Connection, dsn: str) -> None:
@@ -178,3 +182,4 @@ def test_lease_taken_over__task_cancelled_and_its_outcome_fenced(
     # Attempt 1 never wrote its outcome, though its handler would have finished in 3 s.
     assert scalar(conn, "SELECT count(*) FROM runpool.run_events WHERE run_id = %s"
                   " AND kind = 'succeeded'", run_id) == 1
+    assert_invariants(conn)

@@ -1,0 +1,91 @@
+"""The invariant checker itself: each invariant, broken on purpose, is reported."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+
+import runpool
+from runpool import invariants
+from runpool.invariants import Watch
+from tests.helpers import wait_for
+
+
+_HISTORY = [
+    "UPDATE runpool.runs SET status = 'succeeded', attempt = 2, started_at = now(),"
+    " finished_at = now() WHERE id = %(id)s",
+    "INSERT INTO runpool.run_events (run_id, kind, attempt) VALUES (%(id)s, 'claimed', 1),"
+    " (%(id)s, 'reclaimed', 1), (%(id)s, 'claimed', 2), (%(id)s, 'succeeded', 2)",
+    "INSERT INTO runpool.messages (run_id, seq, role, content, attempt)"
+    " VALUES (%(id)s, 1, 'assistant', '{}', 1), (%(id)s, 2, 'tool', '{}', 2)",
+    "INSERT INTO runpool.tool_calls (run_id, call_id, name, arguments, status, attempt,"
+    " finished_at) VALUES (%(id)s, 'c0', 'lookup', '{}', 'succeeded', 2, now())",
+    # Executed by attempt 1 (interrupted before its commit), then by attempt 2, which committed.
+    "INSERT INTO tool_log VALUES (%(id)s, 'c0', 1, 'k'), (%(id)s, 'c0', 2, 'k')",
+]
+
+
+def _finished_run(conn: psycopg.Connection, **changes: str) -> uuid.UUID:
+    """A run that succeeded with attempt 2, having committed tool call c0 and two messages."""
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    for statement in _HISTORY:
+        conn.execute(statement, {"id": run_id})
+    return run_id
+
+
+def _violations(conn: psycopg.Connection, **options: object) -> list[str]:
+    return list(invariants.check(conn, **options).violations)  # type: ignore[arg-type]
+
+
+def test_a_clean_history__no_violation(conn: psycopg.Connection) -> None:
+    _finished_run(conn)
+    report = invariants.check(conn, cancel_bound=5)
+    assert report.ok and report.statuses == {"succeeded": 1}
+
+
+def test_each_broken_invariant__is_reported(conn: psycopg.Connection) -> None:
+    run_id = _finished_run(conn)
+    queued = runpool.enqueue(conn, "acme", "noop")
+    assert [v for v in _violations(conn) if "did not end" in v] == [
+        f"run {queued} did not end: still queued"]
+    assert _violations(conn, all_terminal=False) == []
+
+    conn.execute("INSERT INTO tool_log VALUES (%s, 'c0', 3, 'k')", (run_id,))
+    assert any("tool call" in v and "executed 2 time(s)" in v
+               for v in _violations(conn, all_terminal=False))
+    conn.execute("DELETE FROM tool_log WHERE attempt = 3")
+
+    # A zombie's message: attempt 1 writing after attempt 2 did.
+    conn.execute("INSERT INTO runpool.messages (run_id, seq, role, content, attempt)"
+                 " VALUES (%s, 3, 'tool', '{}', 1)", (run_id,))
+    assert any("fenced attempt 1" in v for v in _violations(conn, all_terminal=False))
+    conn.execute("DELETE FROM runpool.messages WHERE seq = 3")
+
+    conn.execute("INSERT INTO runpool.run_events (run_id, kind, attempt)"
+                 " VALUES (%s, 'succeeded', 2)", (run_id,))
+    assert any("2 terminal events" in v for v in _violations(conn, all_terminal=False))
+    conn.execute("DELETE FROM runpool.run_events WHERE id = (SELECT max(id)"
+                 " FROM runpool.run_events)")
+
+    conn.execute("UPDATE runpool.runs SET status = 'cancelled', cancel_requested_at ="
+                 " finished_at - interval '20 seconds' WHERE id = %s", (run_id,))
+    conn.execute("UPDATE runpool.run_events SET kind = 'cancelled' WHERE run_id = %s"
+                 " AND kind = 'succeeded'", (run_id,))
+    assert any("took 20.0s to end after its cancel" in v
+               for v in _violations(conn, all_terminal=False, cancel_bound=15))
+    assert _violations(conn, all_terminal=False, cancel_bound=30) == []
+
+
+def test_watch__sees_a_tenant_over_its_quota_and_a_key_with_two_leases(
+        conn: psycopg.Connection, dsn: str) -> None:
+    conn.execute("SELECT runpool.set_tenant_quota('acme', 1)")
+    ids = [runpool.enqueue(conn, "acme", "noop", serial_key="k") for _ in range(2)]
+    with Watch(dsn, interval=0.01) as watch:
+        # Forced past the guards by hand: what a broken claim would do.
+        conn.execute("UPDATE runpool.runs SET status = 'running', held = false, attempt = 1,"
+                     " lease_expires_at = now() + interval '1 minute' WHERE id = ANY(%s)",
+                     (ids,))
+        wait_for(lambda: len(watch.violations) >= 2, what="both overshoots seen")
+    assert sorted(watch.violations) == [
+        "serial key acme/k had 2 live leases", "tenant acme had 2 live leases, over its quota of 1"]
