@@ -11,7 +11,6 @@ from runpool import invariants
 from runpool.invariants import Watch
 from tests.helpers import wait_for
 
-
 _HISTORY = [
     "UPDATE runpool.runs SET status = 'succeeded', attempt = 2, started_at = now(),"
     " finished_at = now() WHERE id = %(id)s",
@@ -87,5 +86,5 @@ def test_watch__sees_a_tenant_over_its_quota_and_a_key_with_two_leases(
                      " lease_expires_at = now() + interval '1 minute' WHERE id = ANY(%s)",
                      (ids,))
         wait_for(lambda: len(watch.violations) >= 2, what="both overshoots seen")
-    assert sorted(watch.violations) == [
-        "serial key acme/k had 2 live leases", "tenant acme had 2 live leases, over its quota of 1"]
+    assert sorted(watch.violations) == ["serial key acme/k had 2 live leases",
+                                        "tenant acme had 2 live leases, over its quota of 1"]
