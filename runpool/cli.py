@@ -144,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_settings_flags(p, db_only)
     p.add_argument("--workload", nargs="+", default=None, help="W1 W2 W3 W5 W6")
     p.add_argument("--repeat", type=int, default=1, help="runs per workload (median reported)")
+    p.add_argument("--soak", type=float, metavar="MINUTES", default=None,
+                   help="instead: soak a pool under random faults, then check every invariant")
+    p.add_argument("--seed", type=int, default=None, help="the soak's random seed")
     return parser
 
 
@@ -172,6 +175,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .demo import run_demo
 
         return run_demo(settings, runs=args.runs)
+    if args.command == "bench" and args.soak is not None:
+        from .soak import run_soak
+
+        return run_soak(settings, args.soak, seed=args.seed)
     if args.command == "bench":
         from .bench import run_bench
 

@@ -125,7 +125,9 @@ FROM claimed;
 
 -- name: heartbeat
 -- Renew the leases this worker still holds (fenced by attempt) and mark the worker alive;
--- returns the runs still held and whether each has a cancel request.
+-- returns the runs still held and whether each has a cancel request. An expired lease is not
+-- held: claimers stopped counting it against the tenant's quota the moment it expired, so
+-- reviving it (a worker back from a freeze) could put the tenant over its quota.
 WITH held AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
 ),
@@ -136,6 +138,7 @@ renewed AS (
     WHERE r.id = held.id
       AND r.attempt = held.attempt
       AND r.status = 'running'
+      AND r.lease_expires_at > now()
     RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested
 ),
 alive AS (

@@ -100,6 +100,31 @@ def test_heartbeat__renews_only_the_current_attempt(conn: psycopg.Connection) ->
                         " FROM runpool.runs").fetchone() == (True,)
 
 
+def test_zombie_heartbeat_after_its_lease_expired__does_not_revive_it_past_the_quota(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Found by the soak: a worker frozen past its lease renewed it on waking, after another
+    worker had claimed in its place, and the tenant ran two runs on a quota of one."""
+    conn.execute("SELECT runpool.set_tenant_quota('t', 1)")
+    first, second = (runpool.enqueue(conn, "t", "noop") for _ in range(2))
+    frozen, other = uuid.uuid4(), uuid.uuid4()
+    (got,) = asyncio.run(_claim_once(dsn, frozen))
+    conn.execute("UPDATE runpool.runs SET lease_expires_at = now() - interval '1 second'"
+                 " WHERE id = %s", (got,))
+    # The expired lease no longer counts: the other worker may claim the tenant's next run.
+    assert asyncio.run(_claim_once(dsn, other, reap_expired=False)) == [second]
+    beat = conn.execute(QUERIES["heartbeat"], {
+        "ids": [first], "attempts": [1], "lease_seconds": 60, "worker_id": frozen}).fetchall()
+    assert beat == []  # not held: the frozen worker abandons the run
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE status = 'running'"
+                  " AND lease_expires_at > now()") == 1
+
+
+async def _claim_once(dsn: str, worker_id: uuid.UUID, **options: bool) -> list[uuid.UUID]:
+    async with await aconnect(dsn, autocommit=True) as c:
+        got = await claim(c, worker_id=worker_id, limit=5, lease_seconds=30, **options)
+    return [r.id for r in got]
+
+
 def test_finish__fenced_by_attempt(conn: psycopg.Connection) -> None:
     run_id = runpool.enqueue(conn, "t", "noop")
     conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 2,"

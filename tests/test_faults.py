@@ -11,8 +11,8 @@ import pytest
 import runpool
 from runpool.db import connect
 from runpool.migrate import migrate
+from runpool.proxy import Proxy
 from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
-from tests.proxy import Proxy
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 
 import runpool
 from runpool.invariants import Watch
+from runpool.proxy import Proxy
 from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
-from tests.proxy import Proxy
 
 
 @pytest.fixture

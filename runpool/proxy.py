@@ -1,4 +1,5 @@
-"""An in-test TCP proxy between workers and PostgreSQL that can black-hole its traffic.
+"""A TCP proxy between workers and PostgreSQL that can cut, black-hole or refuse connections:
+the network faults of the reliability tests and the soak (`bench --soak`).
 
 Black-holed, it keeps every socket open but forwards nothing (what a dead NAT entry or a
 partition looks like from the client: no error, no answer). Healed, new connections work again;
@@ -13,6 +14,8 @@ import threading
 from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+__all__ = ["Proxy"]
 
 
 class Proxy:

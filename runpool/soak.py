@@ -1,0 +1,315 @@
+"""`python -m runpool bench --soak MINUTES`: a pool under a random mix of faults, then the
+invariant report.
+
+A real pool (`python -m runpool`, two workers) runs agent-like handlers against a scratch
+database through a TCP proxy, while the driver enqueues work and, at random, kills and
+freezes workers, terminates their backends, cuts and black-holes their connections, cancels
+runs, races idempotency keys and tries bad input. Then it heals everything, waits for every
+run to end and prints one JSON line: the faults injected and runpool.invariants' report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+
+from .app import App
+from .bench import scratch_database
+from .context import Run
+from .db import connect
+from .embedded import resolve_dsn
+from .enqueue import RunSpec, enqueue, enqueue_many
+from .errors import InvalidInput, ToolOutcomeUnknown
+from .invariants import EXECUTIONS_DDL, Watch, check, record_execution
+from .pool_process import pool_process
+from .proxy import Proxy
+from .settings import Settings
+
+__all__ = ["app", "run_soak"]
+
+app = App()
+
+# Where tools record their executions: the database itself, not through the proxy, so the
+# evidence survives the faults the soak injects.
+EXECUTIONS_DSN: Final = "RUNPOOL_SOAK_EXECUTIONS_DSN"
+# The driver's own connections (the faults spare them).
+DRIVER: Final = "runpool-soak-driver"
+LEASE: Final = 2.0
+CANCEL_GRACE: Final = 2.0
+POLL: Final = 0.5
+TENANT_QUOTAS: Final = {"t0": 2, "t1": 3, "t2": 4}
+SERIAL_KEYS: Final = [f"k{i}" for i in range(8)]
+CANCEL_BOUND: Final = 30.0
+# The longest a running run took to end after its cancel.
+SLOWEST_CANCEL: Final = """
+SELECT max(extract(epoch FROM finished_at - cancel_requested_at)) FROM runpool.runs
+WHERE status = 'cancelled' AND started_at IS NOT NULL"""
+
+
+@app.handler("agent")
+async def agent(run: Run) -> Any:
+    """Model turns and tool calls, checkpointed; `unsafe` tools are never retried blindly."""
+    steps = int(run.input.get("steps", 3))
+    unsafe = bool(run.input.get("unsafe", False))
+    for i in range(steps):
+        if sum(m.role == "assistant" for m in run.messages) <= i:
+            await run.add_message("assistant", {"turn": i})
+        try:
+            await run.tool(f"c{i}", "act", {"i": i}, _act(run), retry_interrupted=not unsafe)
+        except ToolOutcomeUnknown:
+            await run.add_message("user", {"unknown": f"c{i}"})
+    return {"steps": steps, "attempt": run.attempt}
+
+
+def _act(run: Run) -> Callable[[Any, str], Any]:
+    async def act(arguments: Any, key: str) -> Any:
+        await asyncio.to_thread(record_execution, os.environ[EXECUTIONS_DSN], run.id,
+                                f"c{arguments['i']}", run.attempt, key)
+        await asyncio.sleep(float(run.input.get("tool_seconds", 0.05)))
+        return {"done": arguments["i"]}
+    return act
+
+
+@app.handler("hold")
+async def hold(run: Run) -> Any:
+    """Waits to be cancelled (for at most `seconds`)."""
+    await asyncio.sleep(float(run.input.get("seconds", 8)))
+    return None
+
+
+@app.handler("flaky")
+async def flaky(run: Run) -> Any:
+    if run.attempt == 1:
+        raise RuntimeError("fails on its first attempt")
+    return None
+
+
+@app.handler("poison")
+async def poison(run: Run) -> Any:
+    """Kills its worker on every attempt: must end failed without hurting anyone else."""
+    os._exit(3)
+
+
+def _random_run(rng: random.Random) -> dict[str, Any]:
+    kind = rng.choices(["agent", "hold", "flaky", "poison", "unknown"], [20, 3, 2, 0.2, 0.3])[0]
+    spec: dict[str, Any] = {
+        "tenant": rng.choice([*TENANT_QUOTAS, "t3"]), "handler": kind,
+        "priority": rng.randint(-5, 5), "max_attempts": 2 if kind == "poison" else 10,
+        "serial_key": rng.choice(SERIAL_KEYS) if rng.random() < 0.3 else None,
+        "input": {},
+    }
+    if kind == "agent":
+        spec["input"] = {"steps": rng.randint(1, 6), "unsafe": rng.random() < 0.2,
+                         "tool_seconds": rng.choice([0.01, 0.05, 0.2])}
+    elif kind == "unknown":
+        spec["handler"] = "no_such_handler"
+    return spec
+
+
+class Soak:
+    """The driver: one random fault or batch of work per tick."""
+
+    def __init__(self, dsn: str, proxy: Proxy, pool: Any, rng: random.Random) -> None:
+        self.dsn, self.proxy, self.pool, self.rng = dsn, proxy, pool, rng
+        self.conn = connect(dsn, autocommit=True)
+        self.faults: Counter[str] = Counter()
+        self.problems: list[str] = []
+        self._timers: list[threading.Timer] = []
+
+    def tick(self) -> None:
+        actions: dict[Callable[[], None], float] = {
+            self.enqueue_batch: 6, self.cancel_one: 2, self.kill_worker: 0.6,
+            self.freeze_worker: 0.4, self.terminate_backend: 0.8, self.cut: 0.5,
+            self.blackhole: 0.3, self.race_idempotency: 0.7, self.bad_input: 1,
+        }
+        action = self.rng.choices(list(actions), list(actions.values()))[0]
+        action()
+
+    # -- work -------------------------------------------------------------------------------
+
+    def enqueue_batch(self) -> None:
+        specs = [RunSpec(**_random_run(self.rng))
+                 for _ in range(self.rng.randint(3, 12))]
+        enqueue_many(self.conn, specs)
+        self.faults["runs_enqueued"] += len(specs)
+
+    def cancel_one(self) -> None:
+        row = self.conn.execute(
+            "SELECT id FROM runpool.runs WHERE status IN ('queued', 'running')"
+            " ORDER BY random() LIMIT 1").fetchone()
+        if row:
+            self.conn.execute("SELECT runpool.cancel_run(%s, 'soak')", (row[0],))
+            self.faults["cancel"] += 1
+
+    def race_idempotency(self) -> None:
+        key = f"dup-{uuid.uuid4().hex[:8]}"
+        ids: list[uuid.UUID] = []
+
+        def one() -> None:
+            with connect(self.dsn, autocommit=True) as c:
+                ids.append(enqueue(c, "t3", "agent", {"steps": 1},
+                                              idempotency_key=key))
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(set(ids)) != 1 or len(ids) != 8:
+            self.problems.append(f"idempotency key {key}: 8 racing enqueues gave ids {ids}")
+        self.faults["idempotency_race"] += 1
+
+    def bad_input(self) -> None:
+        """Each must be refused with InvalidInput, writing nothing."""
+        attempts: list[tuple[str, Callable[[], Any]]] = [
+            ("nul_in_tenant", lambda: enqueue(self.conn, "t\x00", "agent")),
+            ("lone_surrogate", lambda: enqueue(self.conn, "t3", "agent",
+                                                          {"x": "\ud800"})),
+            ("oversized_input", lambda: enqueue(self.conn, "t3", "agent",
+                                                           {"x": "y" * (2 << 20)})),
+            ("priority_range", lambda: enqueue(self.conn, "t3", "agent",
+                                                          priority=1000)),
+            ("empty_serial_key", lambda: enqueue(self.conn, "t3", "agent",
+                                                            serial_key="")),
+        ]
+        name, attempt = self.rng.choice(attempts)
+        before = self._count()
+        try:
+            attempt()
+            self.problems.append(f"bad input {name} was accepted")
+        except InvalidInput:
+            pass
+        if self._count() != before:
+            self.problems.append(f"bad input {name} wrote a run")
+        # Injection attempts are data: a run for a strange tenant, and a NULL answer.
+        self.conn.execute("SELECT runpool.cancel_run(gen_random_uuid(),"
+                          " $$'); DROP TABLE runpool.runs; --$$)")
+        self.faults[f"bad_input_{name}"] += 1
+
+    def _count(self) -> int:
+        row = self.conn.execute("SELECT count(*) FROM runpool.runs").fetchone()
+        return int(row[0]) if row else 0
+
+    # -- faults -----------------------------------------------------------------------------
+
+    def workers(self) -> list[int]:
+        children = Path(f"/proc/{self.pool.pid}/task/{self.pool.pid}/children")
+        return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+    def kill_worker(self) -> None:
+        if pids := self.workers():
+            os.kill(self.rng.choice(pids), signal.SIGKILL)
+            self.faults["worker_sigkill"] += 1
+
+    def freeze_worker(self) -> None:
+        """SIGSTOP past the lease, then SIGCONT: a zombie that must write nothing."""
+        if pids := self.workers():
+            pid = self.rng.choice(pids)
+            os.kill(pid, signal.SIGSTOP)
+            timer = threading.Timer(LEASE * 1.5, _resume, (pid,))
+            timer.start()
+            self._timers.append(timer)
+            self.faults["worker_sigstop"] += 1
+
+    def terminate_backend(self) -> None:
+        self.conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname ="
+            " current_database() AND application_name <> %s AND backend_type = 'client backend'"
+            " ORDER BY random() LIMIT 1", (DRIVER,))
+        self.faults["pg_terminate_backend"] += 1
+
+    def cut(self) -> None:
+        self.proxy.cut()
+        self.faults["connections_cut"] += 1
+
+    def blackhole(self) -> None:
+        self.proxy.blackholed.set()
+        timer = threading.Timer(self.rng.uniform(0.5, LEASE * 1.5), self.proxy.blackholed.clear)
+        timer.start()
+        self._timers.append(timer)
+        self.faults["blackhole"] += 1
+
+    def heal(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self.proxy.blackholed.clear()
+        for pid in self.workers():
+            _resume(pid)
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> int:
+    """Soak a pool for `minutes`; prints the report and returns 0 if every invariant held."""
+    seed = random.randrange(1 << 30) if seed is None else seed
+    rng = random.Random(seed)
+    with scratch_database(resolve_dsn(settings)) as pool_dsn:
+        dsn = make_conninfo(pool_dsn, application_name=DRIVER)
+        with connect(dsn, autocommit=True) as conn:
+            conn.execute(EXECUTIONS_DDL)
+            for tenant, quota in TENANT_QUOTAS.items():
+                conn.execute("SELECT runpool.set_tenant_quota(%s, %s)", (tenant, quota))
+        proxy = Proxy(pool_dsn)
+        os.environ[EXECUTIONS_DSN] = dsn
+        started = time.monotonic()
+        try:
+            with Watch(dsn) as watch, pool_process(
+                    proxy.dsn(pool_dsn), "runpool.soak:app", workers=2, concurrency=8,
+                    lease_seconds=LEASE, poll_seconds=POLL, cancel_grace_seconds=CANCEL_GRACE,
+                    grace_seconds=5) as pool:
+                soak = Soak(dsn, proxy, pool, rng)
+                try:
+                    while time.monotonic() - started < minutes * 60:
+                        soak.tick()
+                        time.sleep(rng.uniform(0.1, 0.5))
+                finally:
+                    soak.heal()
+                drained = _drain(soak.conn, timeout=240)
+                soak.conn.close()
+        finally:
+            proxy.close()
+        with connect(dsn, autocommit=True) as conn:
+            # A live worker ends a cancelled run within a heartbeat plus the grace; here every
+            # worker may be dead or frozen for a while, so the bound is a generous one.
+            report = check(conn, watch=watch, cancel_bound=CANCEL_BOUND)
+            slowest = conn.execute(SLOWEST_CANCEL).fetchone()
+    violations = [*soak.problems, *report.violations]
+    if not drained:
+        violations.append("runs still not ended 240 s after the faults stopped")
+    print(json.dumps({
+        "workload": "soak", "minutes": minutes, "seed": seed, "ok": not violations,
+        "faults": dict(sorted(soak.faults.items())), "statuses": report.statuses,
+        "watch_samples": watch.samples, "violations": violations,
+        "slowest_cancel_seconds": round(float(slowest[0] or 0), 2) if slowest else None,
+        "seconds": round(time.monotonic() - started, 1),
+    }), flush=True)
+    return 0 if not violations else 1
+
+
+def _drain(conn: psycopg.Connection[Any], *, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = conn.execute("SELECT count(*) FROM runpool.runs"
+                           " WHERE status IN ('queued', 'running')").fetchone()
+        if row and row[0] == 0:
+            return True
+        time.sleep(0.2)
+    return False
