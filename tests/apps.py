@@ -84,6 +84,8 @@ def _lookup_tool(run: runpool.Run) -> Any:
             raise LookupError(f"nothing found for {arguments['i']}")
         if run.input.get("nul_in_result"):
             return {"text": "a\x00b"}
+        if run.input.get("surrogate_in_result"):
+            return {"text": "a\ud800b"}  # a lone surrogate: not valid Unicode text
         time.sleep(float(run.input.get("tool_seconds", 0)))
         return {"found": arguments["i"] * 10, **run.input.get("extra", {})}
     return lookup

@@ -122,9 +122,11 @@ def test_tool_result_too_big_or_with_nul__committed_as_an_error_the_model_sees(
         side: psycopg.Connection, dsn: str) -> None:
     big = runpool.enqueue(side, "acme", "agent", {"steps": 1, "extra": {"b": "x" * 5000}})
     nul = runpool.enqueue(side, "acme", "agent", {"steps": 1, "nul_in_result": True})
+    lone = runpool.enqueue(side, "acme", "agent", {"steps": 1, "surrogate_in_result": True})
     with running_pool(dsn, max_message_bytes=4096):
-        wait_for(lambda: _done(side, big) and _done(side, nul), what="runs")
-    for run_id, why in ((big, "over the limit of 4096 bytes"), (nul, "NUL character")):
+        wait_for(lambda: all(_done(side, r) for r in (big, nul, lone)), what="runs")
+    for run_id, why in ((big, "over the limit of 4096 bytes"), (nul, "NUL character"),
+                        (lone, "surrogate")):
         result = scalar(side, "SELECT result FROM runpool.tool_calls WHERE run_id = %s", run_id)
         assert result["error"]["type"] == "ResultRejected"
         assert why in result["error"]["message"]

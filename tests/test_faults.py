@@ -127,3 +127,4 @@ def test_postgres_crash_restart__runs_in_flight_all_finish_once(private_server: 
         for run_id in ids:
             kinds = events(conn, run_id)
             assert kinds.count("succeeded") == 1 and kinds[-1] == "succeeded", kinds
+        assert_invariants(conn)

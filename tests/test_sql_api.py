@@ -69,6 +69,16 @@ def test_cancel_bad_input__clear_errors(conn: psycopg.Connection) -> None:
     assert status_of(conn, run_id) == "queued"
 
 
+def test_cancel_reason_injection__stored_as_data(conn: psycopg.Connection) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    reason = "x'); DROP TABLE runpool.runs; --"
+    assert conn.execute(CANCEL, (run_id, reason, "acme'; --")).fetchone() == (None,)
+    assert conn.execute(CANCEL, (run_id, reason, None)).fetchone() == ("cancelled",)
+    row = conn.execute("SELECT cancel_reason FROM runpool.runs WHERE id = %s",
+                       (run_id,)).fetchone()
+    assert row == (reason,)
+
+
 def test_retry_run__revives_failed_with_a_fresh_budget(conn: psycopg.Connection) -> None:
     run_id = runpool.enqueue(conn, "acme", "noop", max_attempts=2)
     conn.execute("UPDATE runpool.runs SET status = 'failed', attempt = 2, finished_at = now(),"

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import runpool
-from tests.helpers import ROOT, run_row, running_pool, scalar, wait_for
+from tests.helpers import ROOT, assert_invariants, run_row, running_pool, scalar, wait_for
 from tests.otlp import ReceivedSpan, Receiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -86,6 +86,7 @@ def test_collector_down__runs_unaffected_and_workers_exit_cleanly(
         wait_for(lambda: receiver.requests > 0, what="export attempted")
         pool.send_signal(signal.SIGTERM)
         assert pool.wait(timeout=40) == 0
+    assert_invariants(conn)
 
 
 def test_collector_config__otlp_in_batch_jaeger_out() -> None:

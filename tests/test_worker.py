@@ -142,6 +142,7 @@ def test_sigterm__drains_finishes_short_runs_releases_long_ones(
     assert events(conn, long)[-1] == "released"
     # A draining pool claims nothing new.
     assert run_row(conn, late)["status"] == "queued"
+    assert_invariants(conn, all_terminal=False)  # released and unclaimed runs stay queued
 
 
 def test_second_sigterm__stops_at_once(conn: psycopg.Connection, dsn: str) -> None:
@@ -154,6 +155,7 @@ def test_second_sigterm__stops_at_once(conn: psycopg.Connection, dsn: str) -> No
         assert proc.wait(timeout=15) == 0
     assert run_row(conn, long)["status"] == "queued"
     assert events(conn, long)[-1] == "released"
+    assert_invariants(conn, all_terminal=False)
 
 
 def test_supervisor_sigkilled__workers_exit(conn: psycopg.Connection, dsn: str) -> None:
