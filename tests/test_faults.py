@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,7 +11,7 @@ import psycopg
 import pytest
 
 import runpool
-from runpool.db import connect
+from runpool.db import bounded, connect, open_pool
 from runpool.migrate import migrate
 from runpool.proxy import Proxy
 from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
@@ -45,6 +47,33 @@ def test_blackholed_database__worker_gives_up_its_lease_and_recovers_after_heali
         assert row["attempt"] == 2 and row["result"]["attempt"] == 2
         assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
     assert_invariants(conn)
+
+
+def test_blackholed_statement__fails_at_its_deadline_and_the_connection_is_replaced(
+        dsn: str, proxy: Proxy) -> None:
+    """The CI failure behind `bounded`: a cancelled statement on a silent path made psycopg
+    send a cancel request and wait for it (up to ten seconds), outliving the lease."""
+
+    async def scenario() -> tuple[float, Any]:
+        pool = await open_pool(proxy.dsn(dsn), size=2, name="blackhole-test")
+        try:
+            proxy.blackholed.set()
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                async with bounded(pool, 1.0) as conn:
+                    await conn.execute("SELECT 1")
+            elapsed = time.monotonic() - started
+            proxy.blackholed.clear()
+            async with bounded(pool, 5.0) as conn:
+                cur = await conn.execute("SELECT 1")
+                return elapsed, await cur.fetchone()
+        finally:
+            await pool.close()
+
+    elapsed, row = asyncio.run(scenario())
+    # The deadline holds to within scheduling noise, nowhere near psycopg's ten seconds.
+    assert elapsed < 4, elapsed
+    assert row == (1,)
 
 
 def test_connections_cut__worker_reconnects_and_the_run_finishes(
