@@ -148,7 +148,10 @@ class OutcomeWriter:
                         assert self._refill is not None
                         async with conn.pipeline():
                             async with conn.transaction():
+                                await conn.execute(QUERIES["defer_serial_release"])
                                 finished = await conn.execute(QUERIES["finish_runs"], params)
+                                await conn.execute(QUERIES["lock_ended_serial_keys"], params)
+                                await conn.execute(QUERIES["release_serial_keys"], params)
                                 cursor = await self._refill.statements(conn, room)
                         claimed = await read_claimed(cursor)
                     else:

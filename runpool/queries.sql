@@ -146,6 +146,42 @@ alive AS (
 )
 SELECT id, cancel_requested FROM renewed;
 
+-- name: defer_serial_release
+-- Until lock_ended_serial_keys, this transaction releases the serial keys it ends itself, in
+-- one statement, instead of the per-row trigger (see 0002's _serial_key_ended): W10 +20 %.
+SELECT set_config('runpool.release', 'batched', true);
+
+-- name: lock_ended_serial_keys
+-- Lock each serial key whose head this transaction ended (the rows it wrote last: xmin), in
+-- key order so that two writers never deadlock; then the trigger is in charge again.
+SELECT set_config('runpool.release', '', true), (
+    SELECT count(pg_advisory_xact_lock(hashtextextended(k.tenant || chr(31) || k.serial_key,
+                                                        7370)))
+    FROM (SELECT DISTINCT r.tenant, r.serial_key
+          FROM runpool.runs r
+          WHERE r.id = ANY(%(ids)s::uuid[])
+            AND r.serial_key IS NOT NULL
+            AND r.status IN ('succeeded', 'failed', 'cancelled')
+            AND r.xmin = pg_current_xact_id()::xid
+          ORDER BY 1, 2) k
+) AS locked;
+
+-- name: release_serial_keys
+-- Release the next waiting run of each of those keys: a statement of its own, after the
+-- locks, so it sees every enqueue committed before they were granted.
+UPDATE runpool.runs r SET held = false
+WHERE r.id IN (
+    SELECT (SELECT w.id FROM runpool.runs w
+            WHERE w.tenant = k.tenant AND w.serial_key = k.serial_key AND w.held
+            ORDER BY w.serial_order LIMIT 1)
+    FROM (SELECT DISTINCT e.tenant, e.serial_key
+          FROM runpool.runs e
+          WHERE e.id = ANY(%(ids)s::uuid[])
+            AND e.serial_key IS NOT NULL
+            AND e.status IN ('succeeded', 'failed', 'cancelled')
+            AND e.xmin = pg_current_xact_id()::xid) k
+);
+
 -- name: finish_runs
 -- Record finished attempts in one statement, each fenced by its attempt: succeeded, failed,
 -- cancelled, or retry (queued again after its backoff, or failed when the budget is spent).

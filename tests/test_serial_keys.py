@@ -15,6 +15,8 @@ import pytest
 import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect
+from runpool.invariants import Watch
+from runpool.workloads import ORDER_VIOLATIONS
 from tests.helpers import (
     assert_invariants,
     events,
@@ -68,6 +70,20 @@ def test_serial_key__depth_behind_a_running_run_costs_the_claim_nothing(
     assert len(first) == 2 and other in first  # one head per key, nothing more
     assert asyncio.run(claim_all()) == []
     assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE held") == 9_999
+
+
+def test_serial_keys_through_real_workers__batched_release_keeps_one_lease_and_the_order(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """The outcome writer releases the keys it ends itself, set-based (not the trigger)."""
+    specs = [runpool.RunSpec("t", "noop", {"i": i}, serial_key=f"k{k}")
+             for i in range(10) for k in range(30)]
+    ids = runpool.enqueue_many(conn, specs)
+    with Watch(dsn, interval=0.005) as watch, running_pool(dsn, workers=2, concurrency=8):
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.runs"
+                                " WHERE status = 'succeeded'") == len(ids), timeout=60,
+                 what="every run")
+    assert scalar(conn, ORDER_VIOLATIONS) == 0
+    assert_invariants(conn, watch=watch)
 
 
 def test_serial_key__worker_killed_holding_a_key_blocks_it_until_reclaimed_and_finished(
