@@ -91,6 +91,7 @@ class Canceller:
             return
         slot.finishing = True
         assert w._outcomes is not None
-        await w._outcomes.submit(w._cancelled_outcome(slot))
+        await w._outcomes.submit(w._cancelled_outcome(slot),
+                                 serial=slot.claimed.serial_key is not None)
         del w.slots[slot.claimed.id]
         w._attention.set()

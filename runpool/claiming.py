@@ -27,6 +27,7 @@ class ClaimedRun:
     input: Any
     traceparent: str | None
     created_at: datetime
+    serial_key: str | None = None
 
     @property
     def attempts_left(self) -> int:

@@ -96,6 +96,15 @@ class Refill(Protocol):
     def started(self, claimed: list[ClaimedRun], sent: float) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """An outcome waiting in the writer's queue, and the future its submitter awaits."""
+
+    outcome: Outcome
+    serial: bool
+    done: asyncio.Future[str | None]
+
+
 class OutcomeWriter:
     """Batches outcomes from all slots of a worker.
 
@@ -109,13 +118,13 @@ class OutcomeWriter:
         self._pool = pool
         self._worker_id = worker_id
         self._refill = refill
-        self._queue: asyncio.Queue[tuple[Outcome, asyncio.Future[str | None]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[Pending] = asyncio.Queue()
 
-    async def submit(self, outcome: Outcome) -> str | None:
-        """Record an outcome; returns the run's new status, or None if the attempt no longer
-        held its lease (the write was fenced)."""
+    async def submit(self, outcome: Outcome, *, serial: bool = False) -> str | None:
+        """Record an outcome (`serial`: of a run with a serial key); returns the run's new
+        status, or None if the attempt no longer held its lease (the write was fenced)."""
         done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        await self._queue.put((outcome, done))
+        await self._queue.put(Pending(outcome, serial, done))
         return await done
 
     async def run(self) -> None:
@@ -125,8 +134,10 @@ class OutcomeWriter:
                 batch.append(self._queue.get_nowait())
             await self._write(batch)
 
-    async def _write(self, batch: list[tuple[Outcome, asyncio.Future[str | None]]]) -> None:
-        outcomes = [o for o, _ in batch]
+    async def _write(self, batch: list[Pending]) -> None:
+        outcomes = [p.outcome for p in batch]
+        # Runs with serial keys: their keys are released set-based in the batch's transaction.
+        serial = any(p.serial for p in batch)
         params = {
             "ids": [o.run_id for o in outcomes],
             "attempts": [o.attempt for o in outcomes],
@@ -148,10 +159,12 @@ class OutcomeWriter:
                         assert self._refill is not None
                         async with conn.pipeline():
                             async with conn.transaction():
-                                await conn.execute(QUERIES["defer_serial_release"])
+                                if serial:
+                                    await conn.execute(QUERIES["defer_serial_release"])
                                 finished = await conn.execute(QUERIES["finish_runs"], params)
-                                await conn.execute(QUERIES["lock_ended_serial_keys"], params)
-                                await conn.execute(QUERIES["release_serial_keys"], params)
+                                if serial:
+                                    await conn.execute(QUERIES["lock_ended_serial_keys"], params)
+                                    await conn.execute(QUERIES["release_serial_keys"], params)
                                 cursor = await self._refill.statements(conn, room)
                         claimed = await read_claimed(cursor)
                     else:
@@ -169,9 +182,9 @@ class OutcomeWriter:
                 delay = min(delay * 2, 2.0)
         else:
             statuses = {}
-        for outcome, done in batch:
-            if not done.done():
-                done.set_result(statuses.get(outcome.run_id))
+        for pending in batch:
+            if not pending.done.done():
+                pending.done.set_result(statuses.get(pending.outcome.run_id))
         if claimed:
             assert self._refill is not None
             self._refill.started(claimed, sent)

@@ -114,13 +114,14 @@ claimed AS (
     FROM locked
     WHERE r.id = locked.id
     RETURNING r.id, r.tenant, r.handler, r.attempt, r.attempt_offset, r.max_attempts,
-              r.input, r.traceparent, r.created_at
+              r.input, r.traceparent, r.created_at, r.serial_key
 ),
 events AS (
     INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id)
     SELECT id, 'claimed', attempt, %(worker_id)s FROM claimed
 )
-SELECT id, tenant, handler, attempt, attempt_offset, max_attempts, input, traceparent, created_at
+SELECT id, tenant, handler, attempt, attempt_offset, max_attempts, input, traceparent, created_at,
+       serial_key
 FROM claimed;
 
 -- name: heartbeat

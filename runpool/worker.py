@@ -261,7 +261,8 @@ class Worker:
             if outcome is not None:
                 slot.finishing = True
                 assert self._outcomes is not None
-                status = await self._outcomes.submit(outcome)
+                status = await self._outcomes.submit(
+                    outcome, serial=slot.claimed.serial_key is not None)
                 if status == "queued":
                     # Our own retry is due after its backoff: look again then, not at the poll.
                     asyncio.get_running_loop().call_later(
