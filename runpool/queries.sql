@@ -128,7 +128,8 @@ FROM claimed;
 -- Renew the leases this worker still holds (fenced by attempt) and mark the worker alive;
 -- returns the runs still held and whether each has a cancel request. An expired lease is not
 -- held: claimers stopped counting it against the tenant's quota the moment it expired, so
--- reviving it (a worker back from a freeze) could put the tenant over its quota.
+-- reviving it (a worker back from a freeze) could put the tenant over its quota. The clock is
+-- read at the row, after its lock, not at the statement's start.
 WITH held AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
 ),
@@ -139,7 +140,7 @@ renewed AS (
     WHERE r.id = held.id
       AND r.attempt = held.attempt
       AND r.status = 'running'
-      AND r.lease_expires_at > now()
+      AND r.lease_expires_at > clock_timestamp()
     RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested
 ),
 alive AS (
@@ -150,7 +151,8 @@ SELECT id, cancel_requested FROM renewed;
 -- name: defer_serial_release
 -- Until lock_ended_serial_keys, this transaction releases the serial keys it ends itself, in
 -- one statement, instead of the per-row trigger (see 0002's _serial_key_ended): W10 +20 %.
-SELECT set_config('runpool.release', 'batched', true);
+-- The statements below find the runs it ended by xmin: no savepoint may come in between.
+SELECT set_config('runpool.release', pg_current_xact_id()::text, true);
 
 -- name: lock_ended_serial_keys
 -- Lock each serial key whose head this transaction ended (the rows it wrote last: xmin), in
@@ -169,12 +171,13 @@ SELECT set_config('runpool.release', '', true), (
 
 -- name: release_serial_keys
 -- Release the next waiting run of each of those keys: a statement of its own, after the
--- locks, so it sees every enqueue committed before they were granted.
+-- locks, so it sees every enqueue committed before they were granted. FOR UPDATE, as in the
+-- trigger: a waiting run being cancelled meanwhile is passed over once its cancel commits.
 UPDATE runpool.runs r SET held = false
-WHERE r.id IN (
+WHERE r.held AND r.id IN (
     SELECT (SELECT w.id FROM runpool.runs w
             WHERE w.tenant = k.tenant AND w.serial_key = k.serial_key AND w.held
-            ORDER BY w.serial_order LIMIT 1)
+            ORDER BY w.serial_order LIMIT 1 FOR UPDATE)
     FROM (SELECT DISTINCT e.tenant, e.serial_key
           FROM runpool.runs e
           WHERE e.id = ANY(%(ids)s::uuid[])

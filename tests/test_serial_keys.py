@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import signal
+import threading
 import uuid
 from collections import defaultdict
 
@@ -16,10 +17,12 @@ import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect
 from runpool.invariants import Watch
+from runpool.queries import QUERIES
 from runpool.workloads import ORDER_VIOLATIONS
 from tests.helpers import (
     assert_invariants,
     events,
+    finish_params,
     race_claimers,
     run_row,
     running_pool,
@@ -145,3 +148,48 @@ def test_serial_key__retry_run_rejoins_the_key_at_the_back(conn: psycopg.Connect
     assert run_row(conn, b)["held"] is False  # a's end released b
     assert scalar(conn, "SELECT runpool.retry_run(%s)", a) == "queued"
     assert (run_row(conn, a)["held"], run_row(conn, b)["held"]) == (True, False)
+
+
+@pytest.mark.parametrize("path", ["trigger", "batched"])
+def test_cancel_of_the_next_waiting_run_racing_the_heads_end__the_one_after_is_released(
+        conn: psycopg.Connection, dsn: str, path: str) -> None:
+    """Found in review: cancel_run takes no key lock, so the release could pick the run being
+    cancelled, release a cancelled run and leave the key with no head forever."""
+    head, nxt, after = (runpool.enqueue(conn, "t", "noop", serial_key="k") for _ in range(3))
+    ((_, attempt),) = asyncio.run(_claim_all(dsn))
+    canceller = psycopg.connect(dsn)  # a transaction of its own, left open
+    try:
+        assert canceller.execute("SELECT runpool.cancel_run(%s, 'race')",
+                                 (nxt,)).fetchone() == ("cancelled",)
+        finish = threading.Thread(target=_finish, args=(dsn, head, attempt, path))
+        finish.start()
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM pg_stat_activity WHERE"
+                                " wait_event_type = 'Lock' AND datname = current_database()"),
+                 what="the release waiting for the cancel's row lock")
+        canceller.commit()
+        finish.join(timeout=15)
+        assert not finish.is_alive()
+    finally:
+        canceller.close()
+    assert [run_row(conn, r)["status"] for r in (head, nxt, after)] == [
+        "succeeded", "cancelled", "queued"]
+    assert not run_row(conn, after)["held"]  # the key has its head again
+
+
+async def _claim_all(dsn: str) -> list[tuple[uuid.UUID, int]]:
+    async with await aconnect(dsn, autocommit=True) as c:
+        got = await claim(c, worker_id=uuid.uuid4(), limit=10, lease_seconds=30)
+    return [(r.id, r.attempt) for r in got]
+
+
+def _finish(dsn: str, run_id: uuid.UUID, attempt: int, path: str) -> None:
+    """End a run as the worker does: through the trigger, or the outcome writer's batch."""
+    params = finish_params([(run_id, attempt)])
+    with psycopg.connect(dsn, autocommit=path == "trigger") as c:
+        if path == "batched":
+            c.execute(QUERIES["defer_serial_release"])
+        c.execute(QUERIES["finish_runs"], params)
+        if path == "batched":
+            c.execute(QUERIES["lock_ended_serial_keys"], params)
+            c.execute(QUERIES["release_serial_keys"], params)
+            c.commit()
