@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -12,6 +13,7 @@ from typing import Any, Final
 
 import orjson
 import psycopg
+from psycopg import capabilities
 from psycopg import errors as pg_errors
 from psycopg.abc import AdaptContext
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
@@ -139,14 +141,17 @@ async def bounded(pool: AsyncConnectionPool, seconds: float
     A silent server — a black-holed network path, a peer that vanished mid-query — otherwise
     hangs a statement until TCP gives up, which can take many minutes: keepalives only probe
     idle connections. At the deadline the socket is shut down, so the statement fails at once
-    like a connection the network broke, and the connection is closed rather than reused.
-    Cancelling the task instead would be slower than the fault: psycopg answers a cancelled
-    statement by sending a cancel request and waiting for the server, up to ten seconds more
-    on a silent path — longer than a lease.
+    like a connection the network broke, and the connection is closed rather than reused; a
+    cancel request goes to the server in the background, so a server that is merely slow does
+    not finish (or commit) the statement after we gave up. Cancelling the task instead would
+    be slower than the fault: psycopg answers a cancelled statement by sending a cancel request
+    and waiting for the server, up to ten seconds more on a silent path — longer than a lease.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     async with pool.connection(timeout=seconds) as conn:
+        if loop.time() >= deadline:
+            raise TimeoutError(f"no database connection within {seconds:g}s")
         severed: list[bool] = []
         timer = loop.call_at(deadline, _sever_late, conn, severed)
         try:
@@ -161,19 +166,43 @@ async def bounded(pool: AsyncConnectionPool, seconds: float
                 await conn.close()
 
 
+# Background cancel requests, referenced until they finish.
+_cancels: set[asyncio.Task[None]] = set()
+
+
 def _sever_late(conn: psycopg.AsyncConnection[Any], severed: list[bool]) -> None:
     severed.append(True)
+    # Only with libpq 17's non-blocking cancel: the older one blocks a thread for as long as a
+    # silent path stays silent. The task's first step, which builds the cancel request from the
+    # connection, runs before the caller can close it: it is scheduled ahead of the socket's
+    # wake-up.
+    if capabilities.has_cancel_safe():
+        task = asyncio.get_running_loop().create_task(_cancel_quietly(conn))
+        _cancels.add(task)
+        task.add_done_callback(_cancels.discard)
     sever(conn)
+
+
+async def _cancel_quietly(conn: psycopg.AsyncConnection[Any]) -> None:
+    try:
+        await conn.cancel_safe(timeout=5)
+    except Exception:  # best effort: the server may be unreachable, which is why we are here
+        pass
 
 
 def sever(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> None:
     """Break a connection as a network cut would: its next (or current) read fails at once."""
     try:
-        fd = conn.pgconn.socket
-    except psycopg.OperationalError:
+        fd = os.dup(conn.pgconn.socket)
+    except (psycopg.OperationalError, OSError):
         return  # already closed
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        return
     # shutdown() acts on the socket, not the descriptor: the duplicate reaches psycopg's too.
-    with socket.socket(fileno=os.dup(fd)) as sock:
+    with sock, contextlib.suppress(OSError):  # OSError: not connected any more, nothing to cut
         sock.shutdown(socket.SHUT_RDWR)
 
 

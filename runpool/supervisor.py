@@ -193,8 +193,10 @@ class Supervisor:
                 continue
             if restart:
                 lived = time.monotonic() - child.started
-                # A worker that ran a while was not crash-looping: its backoff starts over.
-                crashes = 0 if lived > 60 else child.crashes + 1
+                # A worker that ran a while was not crash-looping: its backoff starts over. (A
+                # run that kills its worker does so within its lease, and each attempt of it
+                # counts; the backoff is for workers that cannot start at all.)
+                crashes = 0 if lived > 10 else child.crashes + 1
                 delay = min(0.5 * 2 ** (crashes - 1), 30.0) if crashes else 0.5
                 logger.warning(
                     "worker %d (pid %d) exited with %d after %.1fs; restarting in %.1fs",

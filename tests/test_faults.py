@@ -55,7 +55,8 @@ def test_blackholed_statement__fails_at_its_deadline_and_the_connection_is_repla
     send a cancel request and wait for it (up to ten seconds), outliving the lease."""
 
     async def scenario() -> tuple[float, Any]:
-        pool = await open_pool(proxy.dsn(dsn), size=2, name="blackhole-test")
+        # One connection: the second use must get a replacement for the cut one.
+        pool = await open_pool(proxy.dsn(dsn), size=1, name="blackhole-test")
         try:
             proxy.blackholed.set()
             started = time.monotonic()
@@ -74,6 +75,34 @@ def test_blackholed_statement__fails_at_its_deadline_and_the_connection_is_repla
     # The deadline holds to within scheduling noise, nowhere near psycopg's ten seconds.
     assert elapsed < 4, elapsed
     assert row == (1,)
+
+
+def test_slow_server_past_the_deadline__the_server_stops_the_statement_too(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """A reachable but slow server: the caller gives up at the deadline, and the server must
+    not go on running (and holding the locks of) the work it gave up on."""
+    conn.execute("CREATE TABLE late (x int)")
+
+    async def scenario() -> None:
+        pool = await open_pool(dsn, size=1, name="slow-test")
+        try:
+            with pytest.raises(TimeoutError):
+                async with bounded(pool, 1.0) as c, c.pipeline(), c.transaction():
+                    await c.execute("INSERT INTO late VALUES (1)")
+                    await c.execute("SELECT pg_sleep(60)")
+            # The cancel request travels in the background: the loop must keep running.
+            # Cancelled, the backend is gone in well under a second; left alone, it would
+            # sleep its full minute.
+            await asyncio.to_thread(
+                wait_for, lambda: not scalar(
+                    conn, "SELECT count(*) FROM pg_stat_activity WHERE datname ="
+                    " current_database() AND query = 'SELECT pg_sleep(60)' AND state <> 'idle'"),
+                timeout=15, what="the abandoned statement stopped by the server")
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+    assert scalar(conn, "SELECT count(*) FROM late") == 0
 
 
 def test_connections_cut__worker_reconnects_and_the_run_finishes(
