@@ -11,7 +11,9 @@ claim is durable, no handler started yet), tool.returned (the tool's side effect
 result not yet committed), checkpoint.committed (a tool result and its message just
 committed), outcome.committing (a batch of outcomes about to be written).
 Actions: kill (SIGKILL this worker), stop (SIGSTOP it: a zombie until someone sends SIGCONT),
-sever (shut down the socket of the connection in use, as a network cut would).
+sever (shut down the socket of the connection in use, as a network cut would; only at
+claim.locked and outcome.committing, where a statement follows on that connection and fails,
+so the pool discards it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ logger = logging.getLogger("runpool.faults")
 POINTS = frozenset({"claim.locked", "claim.committed", "tool.returned", "checkpoint.committed",
                     "outcome.committing"})
 _ACTIONS = frozenset({"kill", "stop", "sever"})
+_SEVERABLE = frozenset({"claim.locked", "outcome.committing"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +57,13 @@ def parse(spec: str) -> dict[str, Fault]:
         if action not in _ACTIONS:
             raise InvalidInput(f"RUNPOOL_FAULTS: unknown action {action!r} for {point}"
                                f" (known: {', '.join(sorted(_ACTIONS))})")
+        if action == "sever" and point not in _SEVERABLE:
+            raise InvalidInput(f"RUNPOOL_FAULTS: sever is not possible at {point}"
+                               f" (only at {', '.join(sorted(_SEVERABLE))})")
         if at and not (at.isdigit() and int(at) >= 1):
             raise InvalidInput(f"RUNPOOL_FAULTS: {item!r}: the hit number must be >= 1")
+        if point in faults:
+            raise InvalidInput(f"RUNPOOL_FAULTS: {point} is armed twice")
         faults[point] = Fault(point, action, int(at or 1))
     return faults
 

@@ -21,10 +21,11 @@ __all__ = ["EXECUTIONS_DDL", "Report", "Watch", "check", "record_execution"]
 # transactions: the evidence that a committed call never ran again.
 EXECUTIONS_DDL: Final = """
 CREATE TABLE IF NOT EXISTS tool_log (
-    run_id uuid NOT NULL, call_id text NOT NULL, attempt integer NOT NULL, key text NOT NULL
+    run_id uuid NOT NULL, call_id text NOT NULL, attempt integer NOT NULL, key text NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""
 # Records one execution of a tool (its own autocommit connection: the side effect happened).
-_RECORD: Final = "INSERT INTO tool_log VALUES (%s, %s, %s, %s)"
+_RECORD: Final = "INSERT INTO tool_log (run_id, call_id, attempt, key) VALUES (%s, %s, %s, %s)"
 
 # Runs not in a terminal state (each with its status).
 _NOT_TERMINAL: Final = """
@@ -48,12 +49,12 @@ WHERE endings <> CASE WHEN status IN ('succeeded', 'failed', 'cancelled') THEN 1
    OR claims IS DISTINCT FROM ascending
 LIMIT 20"""
 # Among calls of tools that record their executions: committed calls executed again at or
-# after the attempt that committed them (or not by it), and calls whose outcome is unknown
-# executed more than once.
+# after the attempt that committed them (or not by it), or started by an older attempt (a
+# zombie) after the commit; and calls whose outcome is unknown executed more than once.
 _TOOL_TWICE: Final = """
 SELECT run_id, call_id, status, attempt, later, total FROM (
     SELECT c.run_id, c.call_id, c.status, c.attempt, count(l.*) AS total,
-           count(l.*) FILTER (WHERE l.attempt >= c.attempt) AS later
+           count(l.*) FILTER (WHERE l.attempt >= c.attempt OR l.at > c.finished_at) AS later
     FROM runpool.tool_calls c
     JOIN tool_log l ON (l.run_id, l.call_id) = (c.run_id, c.call_id)
     WHERE c.status <> 'started'
@@ -81,7 +82,8 @@ WHERE status = 'cancelled' AND started_at IS NOT NULL
 ORDER BY seconds DESC LIMIT 20"""
 # Counts by status.
 _STATUSES: Final = "SELECT status, count(*) FROM runpool.runs GROUP BY status"
-# Tenants over their quota and serial keys with more than one live lease, right now.
+# Right now: tenants over their quota, serial keys with more than one live lease, and keys
+# whose unfinished runs do not have exactly one head (two could run at once; none: stuck).
 _OVER: Final = """
 SELECT 'tenant ' || l.tenant || ' had ' || l.n || ' live leases, over its quota of ' || l.quota
 FROM (SELECT r.tenant, count(*) AS n,
@@ -94,7 +96,13 @@ UNION ALL
 SELECT 'serial key ' || tenant || '/' || serial_key || ' had ' || count(*) || ' live leases'
 FROM runpool.runs
 WHERE status = 'running' AND lease_expires_at > now() AND serial_key IS NOT NULL
-GROUP BY tenant, serial_key HAVING count(*) > 1"""
+GROUP BY tenant, serial_key HAVING count(*) > 1
+UNION ALL
+SELECT 'serial key ' || tenant || '/' || serial_key || ' had '
+       || count(*) FILTER (WHERE NOT held) || ' heads for ' || count(*) || ' unfinished runs'
+FROM runpool.runs
+WHERE status IN ('queued', 'running') AND serial_key IS NOT NULL
+GROUP BY tenant, serial_key HAVING count(*) FILTER (WHERE NOT held) <> 1"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +181,11 @@ class Watch:
             self._thread.join(timeout=10)
 
     def _sample(self) -> None:
-        with connect(self.dsn, autocommit=True) as conn:
-            while not self._stop.wait(self.interval):
-                seen = [text for (text,) in conn.execute(_OVER).fetchall()]
-                self.samples += 1
-                self.violations += [v for v in seen if v not in self.violations]
+        try:
+            with connect(self.dsn, autocommit=True) as conn:
+                while not self._stop.wait(self.interval):
+                    seen = [text for (text,) in conn.execute(_OVER).fetchall()]
+                    self.samples += 1
+                    self.violations += [v for v in seen if v not in self.violations]
+        except Exception as exc:  # a watch that stopped looking must not pass as a clean one
+            self.violations.append(f"the watch stopped after {self.samples} samples: {exc!r}")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import uuid
 
 import psycopg
+import pytest
 
 import runpool
-from runpool import invariants
+from runpool import faults, invariants
 from runpool.invariants import Watch
 from tests.helpers import wait_for
 
@@ -21,7 +22,8 @@ _HISTORY = [
     "INSERT INTO runpool.tool_calls (run_id, call_id, name, arguments, status, attempt,"
     " finished_at) VALUES (%(id)s, 'c0', 'lookup', '{}', 'succeeded', 2, now())",
     # Executed by attempt 1 (interrupted before its commit), then by attempt 2, which committed.
-    "INSERT INTO tool_log VALUES (%(id)s, 'c0', 1, 'k'), (%(id)s, 'c0', 2, 'k')",
+    "INSERT INTO tool_log VALUES (%(id)s, 'c0', 1, 'k', now() - interval '2 seconds'),"
+    " (%(id)s, 'c0', 2, 'k', now() - interval '1 second')",
 ]
 
 
@@ -54,6 +56,11 @@ def test_each_broken_invariant__is_reported(conn: psycopg.Connection) -> None:
     assert any("tool call" in v and "executed 2 time(s)" in v
                for v in _violations(conn, all_terminal=False))
     conn.execute("DELETE FROM tool_log WHERE attempt = 3")
+    # A zombie (attempt 1) starting the call again after attempt 2 had committed it.
+    conn.execute("INSERT INTO tool_log VALUES (%s, 'c0', 1, 'k')", (run_id,))
+    assert any("tool call" in v and "executed 2 time(s)" in v
+               for v in _violations(conn, all_terminal=False))
+    conn.execute("DELETE FROM tool_log WHERE at > now() - interval '1 second'")
 
     # A zombie's message: attempt 1 writing after attempt 2 did.
     conn.execute("INSERT INTO runpool.messages (run_id, seq, role, content, attempt)"
@@ -86,5 +93,32 @@ def test_watch__sees_a_tenant_over_its_quota_and_a_key_with_two_leases(
                      " lease_expires_at = now() + interval '1 minute' WHERE id = ANY(%s)",
                      (ids,))
         wait_for(lambda: len(watch.violations) >= 2, what="both overshoots seen")
-    assert sorted(watch.violations) == ["serial key acme/k had 2 live leases",
-                                        "tenant acme had 2 live leases, over its quota of 1"]
+    assert sorted(watch.violations) == [
+        "serial key acme/k had 2 heads for 2 unfinished runs",
+        "serial key acme/k had 2 live leases",
+        "tenant acme had 2 live leases, over its quota of 1"]
+
+
+def test_watch__sees_a_stuck_serial_key_and_its_own_failure(
+        conn: psycopg.Connection, dsn: str) -> None:
+    ids = [runpool.enqueue(conn, "acme", "noop", serial_key="k") for _ in range(2)]
+    conn.execute("UPDATE runpool.runs SET held = true WHERE id = %s", (ids[0],))
+    with Watch(dsn, interval=0.01) as watch:
+        wait_for(lambda: watch.violations, what="the stuck key seen")
+    assert watch.violations == ["serial key acme/k had 0 heads for 2 unfinished runs"]
+    with Watch(dsn.replace("dbname=", "dbname=no_such_db_"), interval=0.01) as broken:
+        wait_for(lambda: broken.violations, what="the watch reporting its own failure")
+    assert broken.violations[0].startswith("the watch stopped after 0 samples")
+
+
+def test_fault_spec__malformed_ones_are_refused() -> None:
+    assert faults.parse("claim.locked=sever@2, checkpoint.committed=kill") == {
+        "claim.locked": faults.Fault("claim.locked", "sever", 2),
+        "checkpoint.committed": faults.Fault("checkpoint.committed", "kill", 1)}
+    for spec, why in (("nowhere=kill", "unknown fault point"),
+                      ("claim.locked=explode", "unknown action"),
+                      ("tool.returned=sever", "sever is not possible"),
+                      ("claim.locked=kill@0", "must be >= 1"),
+                      ("claim.locked=kill,claim.locked=stop", "armed twice")):
+        with pytest.raises(runpool.InvalidInput, match=why):
+            faults.parse(spec)

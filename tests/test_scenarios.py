@@ -101,6 +101,7 @@ def test_outcome_write_cut__retried_and_each_run_ends_once(
     with running_pool(dsn, env=_armed(tmp_path, "outcome.committing=sever")) as pool:
         wait_for(lambda: _all_ended(conn, ids), timeout=30, what="every run")
         assert "action=fault_fired" in pool.log()
+        assert "action=outcome_write_failed" in pool.log()  # the cut really hit the write
     assert {run_row(conn, r)["attempt"] for r in ids} == {1}
     assert_invariants(conn)
 
@@ -118,7 +119,7 @@ def test_outage_longer_than_the_lease__runs_resume_and_every_call_commits_once(
         # whose checkpoint writes fail end their attempt (to be retried); the others lose
         # their lease to the watchdog.
         _until(time.monotonic() + 2.5 * lease)
-        assert "action=heartbeat_failed" in pool.log()
+        wait_for(lambda: "action=heartbeat_failed" in pool.log(), what="heartbeats failing")
         proxy.up()
         wait_for(lambda: _all_ended(conn, ids), timeout=60, what="every run after the outage")
     assert {run_row(conn, r)["status"] for r in ids} == {"succeeded"}

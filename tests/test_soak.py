@@ -18,7 +18,8 @@ def test_soak__a_short_soak_under_random_faults_keeps_every_invariant(server_dsn
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["ok"], report["violations"]
     assert out.returncode == 0
-    faults = {k for k, n in report["faults"].items() if n and k != "runs_enqueued"}
-    # A mix, not one kind of fault: the seed makes the choice of actions repeatable.
-    assert len(faults) >= 5, faults
+    # A mix of real faults, not only cancels and refused input.
+    real = {"worker_sigkill", "worker_sigstop", "pg_terminate_backend", "connections_cut",
+            "blackhole"}
+    assert len(real & {k for k, n in report["faults"].items() if n}) >= 3, report["faults"]
     assert sum(report["statuses"].values()) >= 100 and report["watch_samples"] > 100
