@@ -107,7 +107,8 @@ def _random_run(rng: random.Random) -> dict[str, Any]:
     # Poison is rare (one run in ~500): each kills its worker on both of its attempts.
     kind = rng.choices(["agent", "hold", "flaky", "poison", "unknown"], [20, 3, 2, 0.05, 0.3])[0]
     spec: dict[str, Any] = {
-        "tenant": rng.choice([*TENANT_QUOTAS, "t3"]), "handler": kind,
+        # Most work goes to the unlimited tenant: the quota-bound ones get what they can drain.
+        "tenant": rng.choices([*TENANT_QUOTAS, "t3"], [1, 1.5, 2, 10])[0], "handler": kind,
         "priority": rng.randint(-5, 5), "max_attempts": 2 if kind == "poison" else 10,
         "serial_key": rng.choice(SERIAL_KEYS) if rng.random() < 0.3 else None,
         "input": {},
@@ -289,7 +290,8 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
                         time.sleep(rng.uniform(0.1, 0.5))
                 finally:
                     soak.heal()
-                drained = _drain(soak.conn, timeout=240)
+                drain_timeout = 240 + 60 * minutes
+                drained = _drain(soak.conn, timeout=drain_timeout)
                 soak.conn.close()
         finally:
             proxy.close()
@@ -300,7 +302,7 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
             slowest = conn.execute(SLOWEST_CANCEL).fetchone()
     violations = [*soak.problems, *report.violations]
     if not drained:
-        violations.append("runs still not ended 240 s after the faults stopped")
+        violations.append(f"runs still not ended {drain_timeout:g} s after the faults stopped")
     print(json.dumps({
         "workload": "soak", "minutes": minutes, "seed": seed, "ok": not violations,
         "faults": dict(sorted(soak.faults.items())), "statuses": report.statuses,
