@@ -8,9 +8,16 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-__all__ = ["pool_process"]
+__all__ = ["pool_process", "worker_pids"]
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    """The supervisor's live children: its worker processes (Linux /proc)."""
+    children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children")
+    return [int(p) for p in children.read_text().split()] if children.exists() else []
 
 
 @contextmanager

@@ -20,7 +20,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Final
 
 import psycopg
@@ -34,7 +33,7 @@ from .embedded import resolve_dsn
 from .enqueue import RunSpec, enqueue, enqueue_many
 from .errors import InvalidInput, ToolOutcomeUnknown
 from .invariants import EXECUTIONS_DDL, Watch, check, record_execution
-from .pool_process import pool_process
+from .pool_process import pool_process, worker_pids
 from .proxy import Proxy
 from .settings import Settings
 
@@ -214,8 +213,7 @@ class Soak:
     # -- faults -----------------------------------------------------------------------------
 
     def workers(self) -> list[int]:
-        children = Path(f"/proc/{self.pool.pid}/task/{self.pool.pid}/children")
-        return [int(p) for p in children.read_text().split()] if children.exists() else []
+        return worker_pids(self.pool.pid)
 
     def kill_worker(self) -> None:
         if pids := self.workers():

@@ -18,6 +18,7 @@ import pytest
 
 import runpool
 from runpool.invariants import Watch
+from runpool.pool_process import worker_pids
 from runpool.proxy import Proxy
 from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
 
@@ -47,12 +48,6 @@ def _until(moment: float) -> None:
     """Wait for a moment on the monotonic clock (a scenario's schedule, not a synchronisation)."""
     wait_for(lambda: time.monotonic() >= moment, timeout=max(0.0, moment - time.monotonic()) + 5,
              what="the scheduled moment")
-
-
-def worker_pids(pool: Any) -> list[int]:
-    """The supervisor's live children: its worker processes."""
-    children = Path(f"/proc/{pool.pid}/task/{pool.pid}/children")
-    return [int(p) for p in children.read_text().split()] if children.exists() else []
 
 
 def test_connection_cut_during_claim__the_claim_rolls_back_and_nothing_is_lost(
@@ -140,7 +135,7 @@ def test_quota_under_churn__never_exceeded_while_workers_are_killed_every_2s(
         kills = 0
         churn_ends = time.monotonic() + 30
         while time.monotonic() < churn_ends:
-            pids = worker_pids(pool)
+            pids = worker_pids(pool.pid)
             if pids:
                 os.kill(rng.choice(pids), signal.SIGKILL)
                 kills += 1
@@ -160,7 +155,7 @@ def test_cancel_racing_a_reclaim__every_run_ends_cancelled_and_the_zombie_writes
     with running_pool(dsn, concurrency=8, **settings) as first:
         wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.runs"
                                 " WHERE status = 'running'") == 8, what="8 running")
-        (pid,) = worker_pids(first)
+        (pid,) = worker_pids(first.pid)
         os.kill(pid, signal.SIGSTOP)  # a zombie: holds 8 leases it no longer renews
         try:
             with running_pool(dsn, concurrency=8, **settings):
