@@ -114,29 +114,32 @@ async def load(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID
     return messages, calls
 
 
+async def _write(conn: psycopg.AsyncConnection[Any], query: str, params: dict[str, Any],
+                 refused: str) -> int:
+    """Run one fenced write; its single returned value, or why nothing was written."""
+    cur = await conn.execute(query, params)
+    row = await cur.fetchone()
+    if row is None:
+        raise await _nothing_written(conn, params["run_id"], params["attempt"], refused)
+    return int(row[0])
+
+
 async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
                          role: str, content: Any) -> int:
     """Append a message (content: a psycopg Jsonb or any adaptable value); returns its seq."""
-    cur = await conn.execute(INSERT_MESSAGE, {
-        "run_id": run_id, "attempt": attempt, "role": role, "content": content})
-    row = await cur.fetchone()
-    if row is None:
-        raise await _nothing_written(conn, run_id, attempt, "no message written")
-    return int(row[0])
+    return await _write(conn, INSERT_MESSAGE, {
+        "run_id": run_id, "attempt": attempt, "role": role, "content": content},
+        "no message written")
 
 
 async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                              attempt: int, call_id: str, name: str, arguments: Any) -> int:
     """Record that a tool call is starting; returns how many times it has been started.
     Raises LookupError if the call was already finished."""
-    cur = await conn.execute(INSERT_INTENT, {
+    return await _write(conn, INSERT_INTENT, {
         "run_id": run_id, "attempt": attempt, "call_id": call_id, "name": name,
-        "arguments": arguments})
-    row = await cur.fetchone()
-    if row is None:
-        raise await _nothing_written(
-            conn, run_id, attempt, f"tool call {call_id!r} of run {run_id} is already finished")
-    return int(row[0])
+        "arguments": arguments},
+        f"tool call {call_id!r} of run {run_id} is already finished")
 
 
 async def commit_tool_result(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
@@ -144,21 +147,15 @@ async def commit_tool_result(conn: psycopg.AsyncConnection[Any], run_id: uuid.UU
                              message_role: str, message_content: Any) -> int:
     """Commit a tool's outcome (the checkpoint) and its tool message atomically; returns the
     message's seq."""
-    cur = await conn.execute(FINISH_CALL, {
+    return await _write(conn, FINISH_CALL, {
         "run_id": run_id, "attempt": attempt, "call_id": call_id, "status": status,
-        "result": result, "role": message_role, "content": message_content})
-    row = await cur.fetchone()
-    if row is None:
-        raise await _nothing_written(
-            conn, run_id, attempt, f"tool call {call_id!r} of run {run_id} is not in progress")
-    return int(row[0])
+        "result": result, "role": message_role, "content": message_content},
+        f"tool call {call_id!r} of run {run_id} is not in progress")
 
 
 async def mark_tool_unknown(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                             attempt: int, call_id: str, result: Any) -> None:
     """Close an interrupted call whose tool may not be retried: its outcome is unknown."""
-    cur = await conn.execute(MARK_UNKNOWN, {
-        "run_id": run_id, "attempt": attempt, "call_id": call_id, "result": result})
-    if await cur.fetchone() is None:
-        raise await _nothing_written(
-            conn, run_id, attempt, f"tool call {call_id!r} of run {run_id} is not in progress")
+    await _write(conn, MARK_UNKNOWN, {
+        "run_id": run_id, "attempt": attempt, "call_id": call_id, "result": result},
+        f"tool call {call_id!r} of run {run_id} is not in progress")
