@@ -193,3 +193,15 @@ def _finish(dsn: str, run_id: uuid.UUID, attempt: int, path: str) -> None:
             c.execute(QUERIES["lock_ended_serial_keys"], params)
             c.execute(QUERIES["release_serial_keys"], params)
             c.commit()
+
+
+@pytest.mark.parametrize("path", ["trigger", "batched"])
+def test_a_heads_end__releases_exactly_the_next_run(
+        conn: psycopg.Connection, dsn: str, path: str) -> None:
+    """One release per ended head, whichever path makes it: the trigger must stand aside
+    when the outcome writer releases set-based (a double release would make two heads)."""
+    ids = [runpool.enqueue(conn, "t", "noop", serial_key="k") for _ in range(4)]
+    ((head, attempt),) = asyncio.run(_claim_all(dsn))
+    assert head == ids[0]
+    _finish(dsn, head, attempt, path)
+    assert [run_row(conn, r)["held"] for r in ids] == [False, False, True, True]
