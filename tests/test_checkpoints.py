@@ -19,12 +19,6 @@ from runpool.db import aconnect
 from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
 
 
-@pytest.fixture
-def side(conn: psycopg.Connection) -> psycopg.Connection:
-    """The test's connection; its database has the side tables model_calls and tool_log."""
-    return conn
-
-
 def _done(conn: psycopg.Connection, run_id: uuid.UUID) -> bool:
     return run_row(conn, run_id)["status"] in ("succeeded", "failed", "cancelled")
 
@@ -38,121 +32,121 @@ def _model_calls(conn: psycopg.Connection, run_id: uuid.UUID) -> int:
     return int(scalar(conn, "SELECT count(*) FROM model_calls WHERE run_id = %s", run_id))
 
 
-def test_agent__messages_and_checkpoints_committed_linearly(side: psycopg.Connection,
+def test_agent__messages_and_checkpoints_committed_linearly(conn: psycopg.Connection,
                                                            dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 4})
+    run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 4})
     with running_pool(dsn):
-        wait_for(lambda: _done(side, run_id), what="agent run")
-    assert run_row(side, run_id)["result"] == {"turns": 4, "messages": 8}
-    rows = side.execute("SELECT seq, role, content, call_id FROM runpool.messages"
+        wait_for(lambda: _done(conn, run_id), what="agent run")
+    assert run_row(conn, run_id)["result"] == {"turns": 4, "messages": 8}
+    rows = conn.execute("SELECT seq, role, content, call_id FROM runpool.messages"
                         " WHERE run_id = %s ORDER BY seq", (run_id,)).fetchall()
     assert [r[0] for r in rows] == list(range(1, 9))
     assert [r[1] for r in rows] == ["assistant", "tool"] * 4
     # Each row holds one step, not the history so far: storage grows linearly.
     assert rows[7][2] == {"found": 30} and rows[7][3] == "c3"
-    calls = side.execute("SELECT call_id, status, result, executions, attempt"
+    calls = conn.execute("SELECT call_id, status, result, executions, attempt"
                          " FROM runpool.tool_calls WHERE run_id = %s ORDER BY call_id",
                          (run_id,)).fetchall()
     assert calls == [(f"c{i}", "succeeded", {"found": i * 10}, 1, 1) for i in range(4)]
-    keys = {k for (k,) in side.execute("SELECT key FROM tool_log WHERE run_id = %s",
+    keys = {k for (k,) in conn.execute("SELECT key FROM tool_log WHERE run_id = %s",
                                        (run_id,))}
     assert keys == {f"{run_id}:c{i}" for i in range(4)}
 
 
 def test_crash_right_after_a_commit__resumes_without_repeating_tools_or_model_turns(
-        side: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 5, "crash_after": 2})
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 5, "crash_after": 2})
     with running_pool(dsn, lease_seconds=1.5):
-        wait_for(lambda: _done(side, run_id), timeout=30, what="resumed run")
-    row = run_row(side, run_id)
+        wait_for(lambda: _done(conn, run_id), timeout=30, what="resumed run")
+    row = run_row(conn, run_id)
     assert (row["status"], row["attempt"]) == ("succeeded", 2)
-    assert _executions(side, run_id) == {f"c{i}": 1 for i in range(5)}
-    assert _model_calls(side, run_id) == 5
+    assert _executions(conn, run_id) == {f"c{i}": 1 for i in range(5)}
+    assert _model_calls(conn, run_id) == 5
     assert row["result"] == {"turns": 5, "messages": 10}
-    assert events(side, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
-    assert_invariants(side)
+    assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
+    assert_invariants(conn)
 
 
-def test_crash_mid_tool_call__retried_when_the_tool_allows_it(side: psycopg.Connection,
+def test_crash_mid_tool_call__retried_when_the_tool_allows_it(conn: psycopg.Connection,
                                                              dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 4, "crash_in_tool": 2})
+    run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 4, "crash_in_tool": 2})
     with running_pool(dsn, lease_seconds=1.5):
-        wait_for(lambda: _done(side, run_id), timeout=30, what="resumed run")
-    assert run_row(side, run_id)["status"] == "succeeded"
-    assert _executions(side, run_id) == {"c0": 1, "c1": 1, "c2": 2, "c3": 1}
-    assert scalar(side, "SELECT executions FROM runpool.tool_calls WHERE run_id = %s"
+        wait_for(lambda: _done(conn, run_id), timeout=30, what="resumed run")
+    assert run_row(conn, run_id)["status"] == "succeeded"
+    assert _executions(conn, run_id) == {"c0": 1, "c1": 1, "c2": 2, "c3": 1}
+    assert scalar(conn, "SELECT executions FROM runpool.tool_calls WHERE run_id = %s"
                   " AND call_id = 'c2'", run_id) == 2
-    assert _model_calls(side, run_id) == 4
-    assert_invariants(side)
+    assert _model_calls(conn, run_id) == 4
+    assert_invariants(conn)
 
 
 def test_crash_mid_unsafe_tool_call__agent_told_outcome_unknown_never_a_duplicate(
-        side: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "agent",
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "agent",
                              {"steps": 4, "crash_in_tool": 2, "unsafe": True})
     with running_pool(dsn, lease_seconds=1.5):
-        wait_for(lambda: _done(side, run_id), timeout=30, what="resumed run")
-    assert run_row(side, run_id)["status"] == "succeeded"
-    assert _executions(side, run_id) == {"c0": 1, "c1": 1, "c2": 1, "c3": 1}
-    status = side.execute("SELECT call_id, status FROM runpool.tool_calls WHERE run_id = %s"
+        wait_for(lambda: _done(conn, run_id), timeout=30, what="resumed run")
+    assert run_row(conn, run_id)["status"] == "succeeded"
+    assert _executions(conn, run_id) == {"c0": 1, "c1": 1, "c2": 1, "c3": 1}
+    status = conn.execute("SELECT call_id, status FROM runpool.tool_calls WHERE run_id = %s"
                           " ORDER BY call_id", (run_id,)).fetchall()
     assert status == [("c0", "succeeded"), ("c1", "succeeded"), ("c2", "unknown"),
                       ("c3", "succeeded")]
-    notes = [c for (c,) in side.execute("SELECT content FROM runpool.messages"
+    notes = [c for (c,) in conn.execute("SELECT content FROM runpool.messages"
                                         " WHERE run_id = %s AND role = 'user'", (run_id,))]
     assert notes == [{"note": "c2 may or may not have happened"}]
-    assert_invariants(side)
+    assert_invariants(conn)
 
 
 def test_tool_raising__error_is_the_committed_result_and_never_rerun(
-        side: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "agent",
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "agent",
                              {"steps": 3, "raise_in_tool": 1, "crash_after": 2})
     with running_pool(dsn, lease_seconds=1.5):
-        wait_for(lambda: _done(side, run_id), timeout=30, what="run")
-    assert run_row(side, run_id)["status"] == "succeeded"
-    result = scalar(side, "SELECT result FROM runpool.tool_calls WHERE run_id = %s"
+        wait_for(lambda: _done(conn, run_id), timeout=30, what="run")
+    assert run_row(conn, run_id)["status"] == "succeeded"
+    result = scalar(conn, "SELECT result FROM runpool.tool_calls WHERE run_id = %s"
                     " AND call_id = 'c1'", run_id)
     assert result == {"error": {"type": "LookupError", "message": "nothing found for 1"}}
-    assert _executions(side, run_id) == {"c0": 1, "c1": 1, "c2": 1}
-    assert_invariants(side)
+    assert _executions(conn, run_id) == {"c0": 1, "c1": 1, "c2": 1}
+    assert_invariants(conn)
 
 
 def test_tool_result_too_big_or_with_nul__committed_as_an_error_the_model_sees(
-        side: psycopg.Connection, dsn: str) -> None:
-    big = runpool.enqueue(side, "acme", "agent", {"steps": 1, "extra": {"b": "x" * 5000}})
-    nul = runpool.enqueue(side, "acme", "agent", {"steps": 1, "nul_in_result": True})
-    lone = runpool.enqueue(side, "acme", "agent", {"steps": 1, "surrogate_in_result": True})
+        conn: psycopg.Connection, dsn: str) -> None:
+    big = runpool.enqueue(conn, "acme", "agent", {"steps": 1, "extra": {"b": "x" * 5000}})
+    nul = runpool.enqueue(conn, "acme", "agent", {"steps": 1, "nul_in_result": True})
+    lone = runpool.enqueue(conn, "acme", "agent", {"steps": 1, "surrogate_in_result": True})
     with running_pool(dsn, max_message_bytes=4096):
-        wait_for(lambda: all(_done(side, r) for r in (big, nul, lone)), what="runs")
+        wait_for(lambda: all(_done(conn, r) for r in (big, nul, lone)), what="runs")
     for run_id, why in ((big, "over the limit of 4096 bytes"), (nul, "NUL character"),
                         (lone, "surrogate")):
-        result = scalar(side, "SELECT result FROM runpool.tool_calls WHERE run_id = %s", run_id)
+        result = scalar(conn, "SELECT result FROM runpool.tool_calls WHERE run_id = %s", run_id)
         assert result["error"]["type"] == "ResultRejected"
         assert why in result["error"]["message"]
         # The model saw the error as the tool's message, and the run went on to finish.
-        assert scalar(side, "SELECT content FROM runpool.messages WHERE run_id = %s"
+        assert scalar(conn, "SELECT content FROM runpool.messages WHERE run_id = %s"
                       " AND role = 'tool'", run_id) == result
-        assert run_row(side, run_id)["status"] == "succeeded"
+        assert run_row(conn, run_id)["status"] == "succeeded"
 
 
-def test_oversized_message__fails_the_run_once_without_retries(side: psycopg.Connection,
+def test_oversized_message__fails_the_run_once_without_retries(conn: psycopg.Connection,
                                                                dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "big_message", max_attempts=5)
+    run_id = runpool.enqueue(conn, "acme", "big_message", max_attempts=5)
     with running_pool(dsn):
-        wait_for(lambda: _done(side, run_id), what="run")
-    row = run_row(side, run_id)
+        wait_for(lambda: _done(conn, run_id), what="run")
+    row = run_row(conn, run_id)
     assert (row["status"], row["attempt"], row["error"]["reason"]) == (
         "failed", 1, "invalid_input")
     assert "over the limit" in row["error"]["message"]
 
 
-def test_sync_handler__uses_the_same_checkpoints(side: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "agent_sync")
+def test_sync_handler__uses_the_same_checkpoints(conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "agent_sync")
     with running_pool(dsn):
-        wait_for(lambda: _done(side, run_id), what="run")
-    assert run_row(side, run_id)["result"] == {"result": {"found": 0}}
-    assert scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s", run_id) == 2
+        wait_for(lambda: _done(conn, run_id), what="run")
+    assert run_row(conn, run_id)["result"] == {"result": {"found": 0}}
+    assert scalar(conn, "SELECT count(*) FROM runpool.messages WHERE run_id = %s", run_id) == 2
 
 
 # -- the store itself -----------------------------------------------------------------------
@@ -243,44 +237,44 @@ def test_store__load_returns_what_was_committed(conn: psycopg.Connection, dsn: s
 
 
 def test_zombie__a_stopped_worker_resumed_after_a_reclaim_writes_nothing(
-        side: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 12, "tool_seconds": 0.2})
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 12, "tool_seconds": 0.2})
     with running_pool(dsn, lease_seconds=1.2) as first:
-        wait_for(lambda: scalar(side, "SELECT count(*) FROM runpool.messages"
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.messages"
                                 " WHERE run_id = %s", run_id) >= 2, what="progress")
-        pid = scalar(side, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
+        pid = scalar(conn, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
                      " ON r.worker_id = w.id WHERE r.id = %s", run_id)
         os.kill(pid, signal.SIGSTOP)
         try:
             with running_pool(dsn, lease_seconds=1.2):
                 # Another worker reclaims the run and makes progress with attempt 2.
-                wait_for(lambda: scalar(side, "SELECT count(*) FROM runpool.messages"
+                wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.messages"
                                         " WHERE run_id = %s AND attempt = 2", run_id) >= 2,
                          timeout=30, what="attempt 2 progress")
                 os.kill(pid, signal.SIGCONT)
                 wait_for(lambda: "action=lease_lost" in first.log(), what="zombie notices")
-                wait_for(lambda: _done(side, run_id), timeout=30, what="run finished")
+                wait_for(lambda: _done(conn, run_id), timeout=30, what="run finished")
         finally:
             os.kill(pid, signal.SIGCONT)
-    assert run_row(side, run_id)["status"] == "succeeded"
-    reclaimed_at = scalar(side, "SELECT at FROM runpool.run_events WHERE run_id = %s"
+    assert run_row(conn, run_id)["status"] == "succeeded"
+    reclaimed_at = scalar(conn, "SELECT at FROM runpool.run_events WHERE run_id = %s"
                           " AND kind = 'reclaimed'", run_id)
-    late = scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
+    late = scalar(conn, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
                   " AND attempt = 1 AND created_at >= %s", run_id, reclaimed_at)
     assert late == 0
     # Every committed call ran once; only the call in flight at the stop may have run twice.
-    executions = _executions(side, run_id)
+    executions = _executions(conn, run_id)
     assert sorted(executions) == sorted(f"c{i}" for i in range(12))
     assert sum(n - 1 for n in executions.values()) <= 1
-    assert_invariants(side)
+    assert_invariants(conn)
 
 
 def test_connections_killed_during_checkpoint_commits__each_call_committed_once(
-        side: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(side, "acme", "agent", {"steps": 30}, max_attempts=50)
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 30}, max_attempts=50)
 
     def progressed_beyond(seen: int) -> int:
-        now = int(scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s",
+        now = int(scalar(conn, "SELECT count(*) FROM runpool.messages WHERE run_id = %s",
                          run_id))
         return now if now > seen else 0
 
@@ -292,24 +286,24 @@ def test_connections_killed_during_checkpoint_commits__each_call_committed_once(
         for _ in range(8):
             seen = wait_for(functools.partial(progressed_beyond, seen), timeout=30,
                             what="progress")
-            backends = live_pool_backends(side)
+            backends = live_pool_backends(conn)
             if backends:
-                kills += scalar(side, "SELECT pg_terminate_backend(%s)", backends[0])
-        wait_for(lambda: _done(side, run_id), timeout=60, what="run finished")
+                kills += scalar(conn, "SELECT pg_terminate_backend(%s)", backends[0])
+        wait_for(lambda: _done(conn, run_id), timeout=60, what="run finished")
     assert kills > 0
-    row = run_row(side, run_id)
+    row = run_row(conn, run_id)
     # The kills hurt (attempts failed on a dead connection) and the run still finished.
     assert row["status"] == "succeeded" and row["attempt"] > 1
     # Never both committed and not: one tool message per finished call, none for others.
-    rows = side.execute(
+    rows = conn.execute(
         "SELECT t.call_id, t.status, count(m.seq) FROM runpool.tool_calls t"
         " LEFT JOIN runpool.messages m ON m.run_id = t.run_id AND m.call_id = t.call_id"
         " WHERE t.run_id = %s GROUP BY t.call_id, t.status", (run_id,)).fetchall()
     assert sorted(c for c, _, _ in rows) == sorted(f"c{i}" for i in range(30))
     assert all(status == "succeeded" and messages == 1 for _, status, messages in rows)
-    assert scalar(side, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
+    assert scalar(conn, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
                   " AND role = 'assistant'", run_id) == 30
-    assert_invariants(side)
+    assert_invariants(conn)
 
 
 def live_pool_backends(conn: psycopg.Connection) -> list[int]:
