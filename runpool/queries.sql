@@ -156,7 +156,8 @@ SELECT set_config('runpool.release', pg_current_xact_id()::text, true);
 
 -- name: lock_ended_serial_keys
 -- Lock each serial key whose head this transaction ended (the rows it wrote last: xmin), in
--- key order so that two writers never deadlock; then the trigger is in charge again.
+-- key order so that two writers never deadlock; then the trigger is in charge again. The lock
+-- is 0002's _lock_serial_key, spelled out (the worker role may not call it; see 0005).
 SELECT set_config('runpool.release', '', true), (
     SELECT count(pg_advisory_xact_lock(hashtextextended(k.tenant || chr(31) || k.serial_key,
                                                         7370)))
