@@ -8,9 +8,12 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.adapt import Buffer, Loader
 from psycopg.rows import dict_row
 
 from . import faults
+from .db import loads
+from .errors import InvalidInput
 from .queries import QUERIES
 
 __all__ = ["ClaimedRun", "claim", "claim_statements", "read_claimed", "reap"]
@@ -24,7 +27,8 @@ class ClaimedRun:
     attempt: int
     attempt_offset: int
     max_attempts: int
-    input: Any
+    # The input's JSON text, decoded only in the run's own slot (see decode_input).
+    input: bytes
     traceparent: str | None
     created_at: datetime
     serial_key: str | None = None
@@ -32,6 +36,23 @@ class ClaimedRun:
     @property
     def attempts_left(self) -> int:
         return self.max_attempts - (self.attempt - self.attempt_offset)
+
+    def decode_input(self) -> Any:
+        """The run's input as Python values; InvalidInput for a value jsonb holds but the
+        decoder refuses (JSON nested deeper than orjson's 1,024 levels, say)."""
+        try:
+            return loads(self.input)
+        except ValueError as exc:
+            raise InvalidInput(f"the run's input cannot be decoded: {exc}") from None
+
+
+class _JsonText(Loader):
+    """jsonb as its JSON text, undecoded. One claim carries runs of many tenants: a value
+    one of them crafted must fail that run alone, in its slot, never the claim (which would
+    kill the worker after the claim committed, and strand every run beside it)."""
+
+    def load(self, data: Buffer) -> bytes:
+        return bytes(data)
 
 
 async def reap(conn: psycopg.AsyncConnection[Any]) -> int:
@@ -71,6 +92,7 @@ async def claim_statements(
         return None
     faults.hit("claim.locked", conn)
     claimed = conn.cursor(row_factory=dict_row)
+    claimed.adapters.register_loader("jsonb", _JsonText)
     await claimed.execute(QUERIES["claim_runs"], {
         "tenants": tenants, "limit": limit, "worker_id": worker_id,
         "lease_seconds": lease_seconds})

@@ -47,6 +47,7 @@ _HELP = {
     "cancel_grace_seconds": "how long a cancelled handler may clean up",
     "max_input_bytes": "largest accepted run input (runpool.config)",
     "max_message_bytes": "largest message or tool result a handler may commit",
+    "max_result_bytes": "largest result a handler may end a run with",
     "pool_size": "database connections per worker (default 3 + concurrency/4)",
     "listen": "use LISTEN/NOTIFY (0: poll only, for transaction-mode poolers)",
     "data_dir": "embedded PostgreSQL data directory",

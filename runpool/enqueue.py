@@ -37,6 +37,19 @@ ORDER BY s.n
 """
 
 
+def _check_text(name: str, value: object) -> None:
+    """Text PostgreSQL can store: no NUL, and valid UTF-8 (a lone surrogate is not)."""
+    if not isinstance(value, str):
+        return
+    if "\x00" in value:
+        raise InvalidInput(f"{name} contains a NUL (0x00) character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{name} is not valid UTF-8 text: {exc.reason} at position"
+                           f" {exc.start}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class RunSpec:
     tenant: str
@@ -52,9 +65,7 @@ class RunSpec:
 
     def params(self) -> dict[str, Any]:
         for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
-            value = getattr(self, name)
-            if isinstance(value, str) and "\x00" in value:
-                raise InvalidInput(f"{name} contains a NUL (0x00) character")
+            _check_text(name, getattr(self, name))
         # Serialised here so a value jsonb cannot hold fails before the database sees it.
         payload = dumps(self.input)
         return {

@@ -57,12 +57,20 @@ def failed(run_id: uuid.UUID, attempt: int, reason: str, message: str, **more: A
     return Outcome(run_id, attempt, "failed", error=error_doc(reason, message, **more))
 
 
-def from_result(run_id: uuid.UUID, attempt: int, result: Any) -> Outcome:
+def from_result(run_id: uuid.UUID, attempt: int, result: Any, *, max_bytes: int) -> Outcome:
+    """A handler's return value: stored as the run's result if it is storable JSON of at most
+    `max_bytes`, else a failure that says why (checked here, so a result that cannot be
+    written never reaches a batch where it would fail everyone's outcomes)."""
     try:
-        return Outcome(run_id, attempt, "succeeded", result=dumps(result))
+        data = dumps(result)
     except InvalidInput as exc:
         return failed(run_id, attempt, "result_not_serializable",
                       f"the handler's result cannot be stored: {exc}")
+    if len(data) > max_bytes:
+        return failed(run_id, attempt, "result_too_large",
+                      f"the handler's result is {len(data)} bytes, over the limit of"
+                      f" {max_bytes} bytes (RUNPOOL_MAX_RESULT_BYTES)")
+    return Outcome(run_id, attempt, "succeeded", result=data)
 
 
 def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_used: int,

@@ -43,6 +43,9 @@ class Settings:
     # Largest message or tool result a handler may commit (a bigger tool result is committed
     # as an error the model sees; a bigger message is refused with InvalidInput).
     max_message_bytes: int = 1 << 20
+    # Largest handler result (serialised JSON) a run may end with; a bigger one fails the run
+    # with reason result_too_large instead of reaching (and stalling) an outcome batch.
+    max_result_bytes: int = 1 << 20
     # Connections per worker for claims, heartbeats, outcomes and checkpoint writes;
     # None: 3 + concurrency / 4.
     pool_size: int | None = None
@@ -70,6 +73,9 @@ class Settings:
         if not 1024 <= self.max_message_bytes <= 256 << 20:
             raise InvalidInput(f"max_message_bytes must be between 1024 and {256 << 20},"
                                f" got {self.max_message_bytes}")
+        if not 1024 <= self.max_result_bytes <= 64 << 20:
+            raise InvalidInput(f"max_result_bytes must be between 1024 and {64 << 20},"
+                               f" got {self.max_result_bytes}")
         if self.pool_size is not None and not 2 <= self.pool_size <= 100:
             raise InvalidInput(f"pool_size must be between 2 and 100, got {self.pool_size}")
         if self.aging_seconds is not None and not self.aging_seconds > 0:

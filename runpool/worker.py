@@ -97,7 +97,9 @@ class Worker:
                 await self._loop(stop)
             finally:
                 stopper.cancel()
-            await self._drain(abort)
+                # Even when the loop died (a bug of ours): the runs in flight end or are
+                # released now, not left to cost their attempts at lease expiry.
+                await self._drain(abort)
         finally:
             for task in side:
                 task.cancel()
@@ -226,7 +228,8 @@ class Worker:
             self._start(c, sent)
 
     def _start(self, c: ClaimedRun, sent: float) -> None:
-        run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=c.input,
+        # The input is decoded in the slot (_call): a value that cannot be fails this run only.
+        run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=None,
                   pool=self._pool, max_message_bytes=self.settings.max_message_bytes,
                   write_timeout=self.settings.lease_seconds / 2)
         slot = Slot(c, run, deadline=sent + self.settings.lease_seconds,
@@ -291,6 +294,10 @@ class Worker:
                 f"no handler named {c.handler!r} is registered on this worker"
                 f" (known: {', '.join(self.app.names) or 'none'})")
         try:
+            run.input = c.decode_input()
+        except InvalidInput as exc:
+            return outcomes.failed(c.id, c.attempt, "invalid_input", str(exc))
+        try:
             if c.attempt > 1:
                 await self._resume(slot)
             if handler.is_async:
@@ -317,13 +324,19 @@ class Worker:
                 backoff=self.settings.retry_backoff_seconds, no_retry=handler.no_retry)
         if run.cancelled:
             return self._cancelled_outcome(slot)
-        return outcomes.from_result(c.id, c.attempt, result)
+        return outcomes.from_result(c.id, c.attempt, result,
+                                    max_bytes=self.settings.max_result_bytes)
 
     async def _resume(self, slot: Slot) -> None:
         """Restore what earlier attempts committed: resuming reads rows, it replays nothing."""
         assert self._pool is not None
-        async with bounded(self._pool, self.settings.lease_seconds / 2) as conn:
-            messages, calls = await checkpoints.load(conn, slot.claimed.id)
+        try:
+            async with bounded(self._pool, self.settings.lease_seconds / 2) as conn:
+                messages, calls = await checkpoints.load(conn, slot.claimed.id)
+        except ValueError as exc:
+            # jsonb holds values the decoder refuses (nesting past 1,024 levels): every
+            # attempt would meet them, so the run fails now instead of retrying.
+            raise InvalidInput(f"the run's history cannot be decoded: {exc}") from None
         slot.run._restore(messages, calls)
 
     def _cancelled_outcome(self, slot: Slot) -> Outcome:

@@ -119,6 +119,11 @@ def agent_sync(run: runpool.Run) -> Any:
     return {"result": result}
 
 
+@app.handler("sized_result")
+async def sized_result(run: runpool.Run) -> Any:
+    return {"blob": "x" * int(run.input["bytes"])}
+
+
 @app.handler("big_message")
 async def big_message(run: runpool.Run) -> Any:
     await run.add_message("assistant", {"blob": "x" * 2_000_000})
