@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -23,29 +24,62 @@ __all__ = ["Canceller"]
 
 logger = logging.getLogger("runpool.cancellation")
 
+# Early cancel notices are kept this long, and at most this many (oldest dropped first): any
+# login can NOTIFY, so a forged flood must cost constant work per notice and capped memory.
+EARLY_SECONDS = 60.0
+EARLY_MAX = 10_000
+# Pause between two reads of one run's cancel flag while notices for it keep coming.
+CONFIRM_SPACING = 0.1
+
 
 class Canceller:
     """Owned by one Worker, on its event loop; reads and updates the worker's slots."""
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
-        # Cancel notices for runs not (yet) in a slot, by arrival time.
-        self._early: dict[uuid.UUID, float] = {}
+        # Cancel notices for runs not (yet) in a slot, by arrival time, oldest first.
+        self._early: OrderedDict[uuid.UUID, float] = OrderedDict()
+        # Runs whose cancel flag is being read; True: a notice came meanwhile, read once more.
+        self._confirming: dict[uuid.UUID, bool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def on_notice(self, run_id: uuid.UUID) -> None:
         if run_id in self._worker.slots:
-            self.background(self.confirm(run_id))
+            self._confirm_soon(run_id)
             return
         # The notice can overtake our own claim of the run (it is sent when the canceller
         # commits, which may be before the worker registers the slot): keep it for a moment.
         now = time.monotonic()
-        self._early = {r: t for r, t in self._early.items() if now - t < 60}
-        self._early[run_id] = now
+        early = self._early
+        early[run_id] = now
+        early.move_to_end(run_id)  # arrival order, oldest first
+        # Amortised O(1) per notice: each is dropped once, from the old end.
+        while len(early) > EARLY_MAX or now - early[next(iter(early))] >= EARLY_SECONDS:
+            early.popitem(last=False)
 
     def on_start(self, run_id: uuid.UUID) -> None:
         if self._early.pop(run_id, None) is not None:
-            self.background(self.confirm(run_id))
+            self._confirm_soon(run_id)
+
+    def _confirm_soon(self, run_id: uuid.UUID) -> None:
+        """Read the run's cancel flag, at most one read in flight per run: a flood of notices
+        for one run costs a read per CONFIRM_SPACING, not one per notice."""
+        if run_id in self._confirming:
+            self._confirming[run_id] = True
+            return
+        self._confirming[run_id] = False
+        self.background(self._confirm_coalesced(run_id))
+
+    async def _confirm_coalesced(self, run_id: uuid.UUID) -> None:
+        try:
+            await self.confirm(run_id)
+            # A notice that arrived during the read may be newer than what it saw.
+            while self._confirming.get(run_id):
+                self._confirming[run_id] = False
+                await asyncio.sleep(CONFIRM_SPACING)
+                await self.confirm(run_id)
+        finally:
+            self._confirming.pop(run_id, None)
 
     def background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -55,7 +89,7 @@ class Canceller:
     async def confirm(self, run_id: uuid.UUID) -> None:
         w = self._worker
         slot = w.slots.get(run_id)
-        if slot is None or w._pool is None:
+        if slot is None or w._pool is None or slot.stop_reason is not None:
             return
         # A NOTIFY proves nothing: the flag in the database decides.
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from collections.abc import Callable
 from typing import Final
@@ -13,7 +14,7 @@ import psycopg
 
 from .db import aconnect
 
-__all__ = ["CANCEL", "WAKEUP", "Listener"]
+__all__ = ["CANCEL", "WAKEUP", "ClaimBudget", "Listener"]
 
 logger = logging.getLogger("runpool.listener")
 
@@ -21,6 +22,37 @@ WAKEUP: Final = "runpool_wakeup"
 CANCEL: Final = "runpool_cancel"
 # Channel names are fixed identifiers, so plain static SQL is enough.
 LISTEN: Final = "LISTEN runpool_wakeup; LISTEN runpool_cancel"
+# Seconds between two log lines about ignored (malformed) cancel notices.
+NOISE_LOG_SECONDS: Final = 10.0
+
+
+class ClaimBudget:
+    """How many fruitless claims wake-ups may cost a worker: `burst` at once, then `rate` per
+    second (a token bucket). Any login can NOTIFY runpool_wakeup; without a budget a flood
+    keeps every idle worker claiming back to back. A claim that finds work costs nothing, so
+    a busy pool is never slowed; a flood costs each worker `rate` empty claims per second."""
+
+    def __init__(self, *, rate: float = 10.0, burst: float = 10.0) -> None:
+        self._rate = rate
+        self._burst = burst
+        self._tokens = burst
+        self._at = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+
+    def spend(self) -> None:
+        """Count one claim that found nothing."""
+        self._refill()
+        self._tokens -= 1
+
+    def delay(self) -> float:
+        """Seconds to wait before the next wake-up may claim (0: now)."""
+        self._refill()
+        return 0.0 if self._tokens >= 1 else (1 - self._tokens) / self._rate
+
 
 
 class Listener:
@@ -45,6 +77,9 @@ class Listener:
         self.connected = asyncio.Event()
         self.reconnects = 0
         self.backend_pid: int | None = None
+        # Malformed cancel notices ignored since the last log line about them.
+        self._noise = 0
+        self._noise_logged = 0.0
 
     async def run(self) -> None:
         delay = 0.1
@@ -85,10 +120,21 @@ class Listener:
             try:
                 run_id = uuid.UUID(payload)
             except ValueError:
-                # Anyone with LISTEN/NOTIFY rights can send noise; it must never hurt a worker.
-                logger.info(
-                    "ignoring malformed cancel notice %r", payload[:100],
-                    extra={"action": "cancel_notice_ignored", "worker_id": str(self._worker_id)},
-                )
+                self._ignore(payload)
                 return
             self._on_cancel(run_id)
+
+    def _ignore(self, payload: str) -> None:
+        # Anyone with LISTEN/NOTIFY rights can send noise; it must never hurt a worker, nor
+        # flood its log: one line per NOISE_LOG_SECONDS, with the count.
+        self._noise += 1
+        now = time.monotonic()
+        if now - self._noise_logged < NOISE_LOG_SECONDS:
+            return
+        logger.info(
+            "ignoring %d malformed cancel notices (last: %r)", self._noise, payload[:100],
+            extra={"action": "cancel_notice_ignored", "worker_id": str(self._worker_id),
+                   "count": self._noise},
+        )
+        self._noise = 0
+        self._noise_logged = now

@@ -7,6 +7,7 @@ for lost notifications); it holds every run under a lease it renews in one state
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -27,7 +28,7 @@ from .claiming import ClaimedRun, claim, claim_statements
 from .context import Run
 from .db import bounded, open_pool
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
-from .listener import Listener
+from .listener import ClaimBudget, Listener
 from .outcomes import Outcome, OutcomeWriter
 from .queries import QUERIES
 from .settings import Settings
@@ -62,6 +63,7 @@ class Worker:
         self._stop: asyncio.Event | None = None
         self._reserved = 0
         self.listener: Listener | None = None
+        self._claim_budget = ClaimBudget()
         self._log = {"worker_id": str(self.id)}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -175,6 +177,8 @@ class Worker:
                     backoff = min(backoff * 2, self.settings.poll_seconds)
                     continue
                 next_poll = time.monotonic() + self._poll_delay()
+                if not claimed:
+                    self._claim_budget.spend()
                 for c, sent in claimed:
                     self._start(c, sent)
                 if len(claimed) == free:
@@ -184,6 +188,12 @@ class Worker:
                 await asyncio.wait_for(self._attention.wait(), timeout)
             except TimeoutError:
                 next_poll = time.monotonic() + self._poll_delay()
+            else:
+                # A burst of wake-ups (forged, or many workers racing for one run) waits here;
+                # the wake-ups meanwhile fold into one claim.
+                if (pause := self._claim_budget.delay()) > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), pause)
 
     def _claim_options(self) -> dict[str, Any]:
         now = time.monotonic()

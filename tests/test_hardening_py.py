@@ -4,6 +4,7 @@ result can cost a worker, or another tenant's run, anything."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -12,7 +13,9 @@ import pytest
 from psycopg.rows import dict_row
 
 import runpool
+from runpool.cancellation import EARLY_MAX
 from runpool.claiming import ClaimedRun
+from runpool.hostile import DEEP_JSON, POISON_INPUTS, enqueue_raw, notify_flood, unprivileged_login
 from runpool.settings import Settings
 from runpool.worker import Worker
 from tests.helpers import (
@@ -22,11 +25,6 @@ from tests.helpers import (
     scalar,
     wait_for,
 )
-
-# Valid jsonb that orjson refuses to decode (it stops at 1,024 levels).
-DEEP = "[" * 2000 + "]" * 2000
-# Enqueue through the SQL API, as an API login would: no Python check in the way.
-SQL_ENQUEUE = "SELECT runpool.enqueue(%s, %s, %s::jsonb)"
 
 
 def run_row(conn: psycopg.Connection, run_id: uuid.UUID) -> dict[str, Any]:
@@ -56,7 +54,7 @@ def test_poison_input__fails_its_run_alone_while_another_tenant_runs_on_the_same
     for i in range(12):
         good.append(runpool.enqueue(conn, "tenant-b", "noop", {"n": i}))
         if i % 4 == 0:
-            poison.append(scalar(conn, SQL_ENQUEUE, "tenant-a", "noop", DEEP))
+            poison.append(enqueue_raw(conn, "tenant-a", POISON_INPUTS[i // 4]))
     with running_pool(dsn, workers=1, concurrency=4) as pool:
         workers = wait_for(lambda: live_workers(conn), what="the worker registered")
         wait_for(lambda: all(_terminal(conn, r) for r in good + poison), what="runs ended")
@@ -82,7 +80,7 @@ def test_poison_history__a_resumed_run_whose_history_cannot_be_decoded_fails_cle
     conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
                  " lease_expires_at = now() - interval '1 second' WHERE id = %s", (run_id,))
     conn.execute("INSERT INTO runpool.messages (run_id, seq, role, content, attempt)"
-                 " VALUES (%s, 1, 'user', %s::jsonb, 1)", (run_id, DEEP))
+                 " VALUES (%s, 1, 'user', %s::jsonb, 1)", (run_id, DEEP_JSON))
     with running_pool(dsn, workers=1, concurrency=2):
         wait_for(lambda: _terminal(conn, run_id), what="the run ended")
     row = run_row(conn, run_id)
@@ -174,3 +172,90 @@ def test_result_over_the_cap__fails_its_run_with_a_reason_and_the_batch_beside_i
     assert "RUNPOOL_MAX_RESULT_BYTES" in error["message"]
     assert run_row(conn, small)["status"] == "succeeded"
     assert all(run_row(conn, r)["status"] == "succeeded" for r in others)
+
+
+def test_forged_cancel_flood__constant_work_per_notice_and_capped_memory() -> None:
+    async def main() -> float:
+        worker = Worker(Settings(), runpool.App(), "postgresql://unused")
+        started = time.perf_counter()
+        for _ in range(3 * EARLY_MAX // 2):
+            worker.cancels.on_notice(uuid.uuid4())
+        elapsed = time.perf_counter() - started
+        assert len(worker.cancels._early) == EARLY_MAX
+        return elapsed
+
+    # Linear: 15,000 notices in well under a second (the old store, rebuilt per notice, took
+    # tens of seconds and kept every id).
+    assert asyncio.run(main()) < 1.0
+
+
+def test_forged_notify_flood_from_a_bare_login__runs_keep_their_leases_and_cancels_work(
+        conn: psycopg.Connection, dsn: str) -> None:
+    held = runpool.enqueue(conn, "acme", "hold", {"seconds": 4})
+    victim = runpool.enqueue(conn, "acme", "hold", {"seconds": 60})
+    # A long lease: heartbeats every 20 s, so only the cancel's NOTIFY can end the victim soon.
+    with unprivileged_login(dsn) as login, running_pool(
+            dsn, workers=1, concurrency=4, lease_seconds=60) as pool:
+        workers = wait_for(lambda: live_workers(conn), what="the worker registered")
+        wait_for(lambda: run_row(conn, held)["status"] == "running", what="runs started")
+        wait_for(lambda: run_row(conn, victim)["status"] == "running", what="runs started")
+        notify_flood(login, cancels=60_000, noise=5_000, named=[held, victim], named_each=2_000)
+        # A real cancel, whose notice queues behind the whole flood, still arrives at once:
+        # the worker got through the flood in constant work per notice.
+        conn.execute("SELECT runpool.cancel_run(%s, 'real')", (victim,))
+        wait_for(lambda: run_row(conn, victim)["status"] == "cancelled", timeout=8,
+                 what="the real cancel")
+        wait_for(lambda: _terminal(conn, held), what="the held run ended")
+        assert live_workers(conn) == workers
+        log = pool.log()
+    row = run_row(conn, held)
+    assert (row["status"], row["attempt"]) == ("succeeded", 1), log[-3000:]
+    assert "lease_lost" not in log
+    # Noise is logged as a count, not a line per notice.
+    assert log.count("cancel_notice_ignored") <= 2
+    assert_invariants(conn)
+
+
+def test_forged_wakeup_flood__claims_are_rate_limited(
+        conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = runpool.App()
+
+    @app.handler("noop")
+    async def noop(run: runpool.Run) -> Any:
+        return None
+
+    worker = Worker(Settings(dsn=dsn, concurrency=2, poll_seconds=600), app, dsn)
+    claim = worker._claim
+    claims = 0
+
+    async def counted(limit: int) -> list[tuple[ClaimedRun, float]]:
+        nonlocal claims
+        claims += 1
+        return await claim(limit)
+
+    monkeypatch.setattr(worker, "_claim", counted)
+
+    async def main(login: str) -> tuple[int, float]:
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop, asyncio.Event()))
+        deadline = time.monotonic() + 15
+        while worker.listener is None or not worker.listener.connected.is_set():
+            assert time.monotonic() < deadline, "the listener never connected"
+            await asyncio.sleep(0.02)
+        before, started = claims, time.monotonic()
+        await asyncio.to_thread(notify_flood, login, wakeups=3_000)
+        # A real run after the flood still starts promptly, and its doorbell comes after
+        # every forged one.
+        run_id = runpool.enqueue(conn, "acme", "noop")
+        while run_row(conn, run_id)["status"] != "succeeded":
+            assert time.monotonic() < deadline + 30, "the real run never ran"
+            await asyncio.sleep(0.02)
+        elapsed = time.monotonic() - started
+        stop.set()
+        await running
+        return claims - before, elapsed
+
+    with unprivileged_login(dsn) as login:
+        made, elapsed = asyncio.run(main(login))
+    # The budget: a burst of 10, then 10 fruitless claims a second (plus the real run's).
+    assert made <= 10 + 10 * elapsed + 3, (made, elapsed)
