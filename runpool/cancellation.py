@@ -119,9 +119,13 @@ class Canceller:
 
     async def force(self, slot: Slot) -> None:
         """The handler ignored cancellation past its grace: record it cancelled and free the
-        slot; whatever the handler does later is fenced."""
+        slot; whatever the handler does later is fenced. A thread cannot be stopped, though:
+        while one of the run's threads runs, the worker exits instead (see Worker._stuck)."""
         w = self._worker
         if w.slots.get(slot.claimed.id) is not slot or slot.finishing:
+            return
+        if slot.run._threads_running:
+            w.stuck_check(slot, "ignored its cancellation past the cancel grace")
             return
         slot.finishing = True
         assert w._outcomes is not None

@@ -4,9 +4,12 @@ fenced ways to add to it (messages and checkpointed tool calls)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -47,6 +50,7 @@ class Run:
         write_timeout: float = 30.0,
         messages: Sequence[Message] = (),
         tool_calls: dict[str, ToolCall] | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.id = id
         self.tenant = tenant
@@ -63,6 +67,13 @@ class Run:
         # Writes of one run are serialised: the message sequence is max + 1 under the fence.
         self._write_lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
+        # Threads of this run (a plain handler, plain tools) that have not returned yet. A
+        # thread cannot be stopped: the worker keeps the run's slot and lease until this empties.
+        self._executor = executor
+        self._threads: set[asyncio.Future[Any]] = set()
+        # Why the *_sync methods refuse all work (the worker is draining past its grace, or
+        # gave up on the run), or None.
+        self._closed: str | None = None
 
     # -- state set by the worker -----------------------------------------------------------
 
@@ -76,6 +87,36 @@ class Run:
 
     def _mark_lost(self) -> None:
         self._lost = True
+
+    def _close(self, why: str) -> None:
+        self._closed = why
+
+    @property
+    def _threads_running(self) -> bool:
+        return bool(self._threads)
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a thread, tracked until the thread really returns.
+
+        Cancelling the awaiting task raises CancelledError here at once, but the thread goes on:
+        its future stays in `_threads` (shielded, never cancelled) until fn returns.
+        """
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        thread = self._loop.run_in_executor(self._executor, call)
+        self._threads.add(thread)
+        thread.add_done_callback(self._thread_done)
+        return await asyncio.shield(thread)
+
+    def _thread_done(self, thread: asyncio.Future[Any]) -> None:
+        self._threads.discard(thread)
+        if not thread.cancelled():
+            thread.exception()  # retrieved: nobody awaits a thread whose caller was cancelled
+
+    async def _threads_finished(self) -> None:
+        """Returns once no thread of this run runs. Cancelling the caller raises here, and
+        leaves the threads' futures alone (asyncio.wait never cancels what it waits for)."""
+        while self._threads:
+            await asyncio.wait(set(self._threads))
 
     def _restore(self, messages: Sequence[Message], calls: dict[str, ToolCall]) -> None:
         self._messages = list(messages)
@@ -204,7 +245,7 @@ class Run:
         try:
             if inspect.iscoroutinefunction(fn):
                 return "succeeded", await fn(arguments, key)
-            value = await asyncio.to_thread(fn, arguments, key)
+            value = await self._in_thread(fn, arguments, key)
             if inspect.isawaitable(value):
                 value = await value
             return "succeeded", value
@@ -231,18 +272,34 @@ class Run:
 
     # -- for plain (threaded) handlers -----------------------------------------------------
 
-    def _sync(self, coro: Awaitable[T]) -> T:
+    def _sync(self, make: Callable[[], Awaitable[T]]) -> T:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:  # blocking the loop on itself would hang the whole worker
+            raise RuntimeError("the *_sync methods are for plain `def` handlers; an async"
+                               " handler awaits add_message() and tool()")
+        if self._closed is not None:
+            # The worker is stopping this run (drain past its grace) or exiting: nothing more
+            # of it may be written, and the loop may not answer any more.
+            raise asyncio.CancelledError(f"run {self.id}: {self._closed}")
+        coro = make()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
     def add_message_sync(self, role: str, content: Any) -> Message:
-        """add_message() for a plain `def` handler (which runs in a thread)."""
-        return self._sync(self.add_message(role, content))
+        """add_message() for a plain `def` handler (which runs in a thread). Still accepted
+        after a cancellation, within the cancel grace: it is how a plain handler records its
+        cleanup."""
+        return self._sync(lambda: self.add_message(role, content))
 
     def tool_sync(self, call_id: str, name: str, arguments: Any, fn: ToolFn, *,
                   retry_interrupted: bool = True) -> Any:
-        """tool() for a plain `def` handler (which runs in a thread)."""
-        return self._sync(self.tool(call_id, name, arguments, fn,
-                                    retry_interrupted=retry_interrupted))
+        """tool() for a plain `def` handler (which runs in a thread). After a cancellation it
+        starts no new call: it raises CancelledError (a committed call still returns its
+        stored result)."""
+        return self._sync(lambda: self.tool(call_id, name, arguments, fn,
+                                            retry_interrupted=retry_interrupted))
 
     def __repr__(self) -> str:
         return f"Run(id={self.id}, tenant={self.tenant!r}, attempt={self.attempt})"

@@ -25,4 +25,6 @@ class Slot:
     stop_reason: str | None = None
     # The outcome is being written; the heartbeat must not mistake it for a lost lease.
     finishing: bool = False
+    # The worker gave up waiting for the run's threads: it exits, and they end with it.
+    abandoned: bool = False
     extra: dict[str, str] = field(default_factory=dict)

@@ -82,6 +82,28 @@ def _act(run: Run) -> Callable[[Any, str], Any]:
     return act
 
 
+@app.handler("plain")
+def plain(run: Run) -> Any:
+    """A plain def (run in a thread): checkpointed calls of a plain tool (a thread of its own)
+    through tool_sync, which refuses new calls after a cancel; a cleanup message if cancelled."""
+    steps = int(run.input.get("steps", 3))
+    for i in range(steps):
+        if run.cancelled:
+            run.add_message_sync("system", {"cancelled_before": i})
+            return None
+        run.tool_sync(f"c{i}", "act", {"i": i}, _act_plain(run))
+    return {"steps": steps, "attempt": run.attempt}
+
+
+def _act_plain(run: Run) -> Callable[[Any, str], Any]:
+    def act(arguments: Any, key: str) -> Any:
+        record_execution(os.environ[EXECUTIONS_DSN], run.id, f"c{arguments['i']}", run.attempt,
+                         key)
+        time.sleep(float(run.input.get("tool_seconds", 0.05)))
+        return {"done": arguments["i"]}
+    return act
+
+
 @app.handler("hold")
 async def hold(run: Run) -> Any:
     """Waits to be cancelled (for at most `seconds`)."""
@@ -104,7 +126,8 @@ async def poison(run: Run) -> Any:
 
 def _random_run(rng: random.Random) -> dict[str, Any]:
     # Poison is rare (one run in ~500): each kills its worker on both of its attempts.
-    kind = rng.choices(["agent", "hold", "flaky", "poison", "unknown"], [20, 3, 2, 0.05, 0.3])[0]
+    kind = rng.choices(["agent", "plain", "hold", "flaky", "poison", "unknown"],
+                       [16, 4, 3, 2, 0.05, 0.3])[0]
     spec: dict[str, Any] = {
         # Most work goes to the unlimited tenant: the quota-bound ones get what they can drain.
         "tenant": rng.choices([*TENANT_QUOTAS, "t3"], [1, 1.5, 2, 10])[0], "handler": kind,
@@ -115,6 +138,8 @@ def _random_run(rng: random.Random) -> dict[str, Any]:
     if kind == "agent":
         spec["input"] = {"steps": rng.randint(1, 6), "unsafe": rng.random() < 0.2,
                          "tool_seconds": rng.choice([0.01, 0.05, 0.2])}
+    elif kind == "plain":
+        spec["input"] = {"steps": rng.randint(1, 4), "tool_seconds": rng.choice([0.01, 0.1, 0.3])}
     elif kind == "unknown":
         spec["handler"] = "no_such_handler"
     return spec

@@ -24,13 +24,16 @@ from .app import App
 from .errors import RunpoolError, SchemaOutOfDate
 from .settings import Settings
 
-__all__ = ["EXIT_CONFIG", "Supervisor", "load_app", "run_worker_process"]
+__all__ = ["EXIT_CONFIG", "EXIT_STUCK", "Supervisor", "load_app", "run_worker_process"]
 
 logger = logging.getLogger("runpool.supervisor")
 
 # A worker exiting with this code cannot work on this database as configured (schema out of
 # date, app not importable): restarting it would only spin, so the supervisor stops.
 EXIT_CONFIG = 78
+# A worker exits with this code to end a run's thread that outlived its grace (a thread cannot
+# be stopped): the supervisor restarts it like any other exit.
+EXIT_STUCK = 75
 
 
 def load_app(path: str | None) -> App:
@@ -57,11 +60,10 @@ def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | 
     except SchemaOutOfDate as exc:
         logger.error("%s", exc, extra={"action": "schema_out_of_date"})
         return EXIT_CONFIG
-    asyncio.run(_worker_async(settings, dsn, app, parent_fd))
-    return 0
+    return asyncio.run(_worker_async(settings, dsn, app, parent_fd))
 
 
-async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> None:
+async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> int:
     loop = asyncio.get_running_loop()
     stop, abort = asyncio.Event(), asyncio.Event()
 
@@ -87,7 +89,9 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
         loop.add_reader(parent_fd, on_parent_gone)
     from .worker import Worker
 
-    await Worker(settings, app, dsn).run(stop, abort)
+    worker = Worker(settings, app, dsn)
+    await worker.run(stop, abort)
+    return worker.exit_code
 
 
 @dataclass(slots=True)
@@ -186,6 +190,9 @@ class Supervisor:
             if child is None:
                 continue
             code = os.waitstatus_to_exitcode(status)
+            if code == EXIT_STUCK:
+                logger.warning("worker %d (pid %d) exited to end a handler thread that outlived"
+                               " its grace", child.index, pid, extra={"action": "worker_stuck"})
             if code == EXIT_CONFIG:
                 logger.error("worker %d cannot run here (exit %d); stopping", child.index, code,
                              extra={"action": "worker_config_error"})

@@ -14,6 +14,7 @@ import random
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -33,6 +34,7 @@ from .outcomes import Outcome, OutcomeWriter
 from .queries import QUERIES
 from .settings import Settings
 from .slot import Slot
+from .supervisor import EXIT_STUCK
 
 __all__ = ["Worker"]
 
@@ -65,6 +67,14 @@ class Worker:
         self.listener: Listener | None = None
         self._claim_budget = ClaimBudget()
         self._log = {"worker_id": str(self.id)}
+        # Plain handlers and plain tools run here, not in the loop's default executor: at exit
+        # asyncio.run waits for that one's threads, and a stuck thread must not hold the
+        # process (a thread cannot be stopped; it ends with its process). Sized so that every
+        # slot's handler thread and a tool thread of each never wait for each other.
+        self._threads = ThreadPoolExecutor(max_workers=2 * settings.concurrency + 4,
+                                           thread_name_prefix="runpool-run")
+        # 0, or EXIT_STUCK once a run's thread outlived its grace: the process must end it.
+        self.exit_code = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -241,7 +251,7 @@ class Worker:
         # The input is decoded in the slot (_call): a value that cannot be fails this run only.
         run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=None,
                   pool=self._pool, max_message_bytes=self.settings.max_message_bytes,
-                  write_timeout=self.settings.lease_seconds / 2)
+                  write_timeout=self.settings.lease_seconds / 2, executor=self._threads)
         slot = Slot(c, run, deadline=sent + self.settings.lease_seconds,
                      extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
         self.slots[c.id] = slot
@@ -268,6 +278,10 @@ class Worker:
                                  extra={"action": "run_internal_error", **slot.extra})
                 outcome = outcomes.failed(slot.claimed.id, slot.claimed.attempt,
                                           "internal_error", repr(exc))
+            # Whatever ended the handler's coroutine (return, cancel, lease loss, drain), a
+            # thread of the run may still run: until it returns, the run keeps its slot, its
+            # lease and its status (never released, never recorded ended).
+            await self._threads_finished(slot)
             if span is not None:
                 telemetry.finish(span, *((slot.stop_reason or "abandoned", None)
                                          if outcome is None else (outcome.kind, outcome.reason)))
@@ -295,6 +309,15 @@ class Worker:
                 del self.slots[slot.claimed.id]
             self._attention.set()
 
+    async def _threads_finished(self, slot: Slot) -> None:
+        while slot.run._threads_running:
+            try:
+                await slot.run._threads_finished()
+            except asyncio.CancelledError:
+                # Only a worker that exits may stop waiting: the threads die with it.
+                if slot.abandoned:
+                    raise
+
     async def _call(self, slot: Slot) -> Outcome | None:
         c, run = slot.claimed, slot.run
         handler = self.app.get(c.handler)
@@ -313,7 +336,7 @@ class Worker:
             if handler.is_async:
                 result = await handler.fn(run)
             else:
-                result = await asyncio.to_thread(handler.fn, run)
+                result = await run._in_thread(handler.fn, run)
         except asyncio.CancelledError:
             if slot.stop_reason == "cancelled":
                 return self._cancelled_outcome(slot)
@@ -326,6 +349,9 @@ class Worker:
             self._abandon(slot, "a checkpoint write found the lease taken", cancel=False)
             return None
         except Exception as exc:
+            if slot.stop_reason == "cancelled":
+                # E.g. a plain handler's tool_sync refusing to start a call after the cancel.
+                return self._cancelled_outcome(slot)
             if not isinstance(exc, Fail | InvalidInput | ToolOutcomeUnknown):
                 logger.warning("run %s raised %s", c.id, type(exc).__name__,
                                extra={"action": "run_raised", **slot.extra})
@@ -378,7 +404,9 @@ class Worker:
 
     async def _beat(self) -> None:
         assert self._pool is not None
-        slots = [s for s in self.slots.values() if s.stop_reason is None]
+        # A cancelled or draining run may have a thread still running: its lease is renewed
+        # until the thread returns (or the worker exits with it).
+        slots = [s for s in self.slots.values() if s.stop_reason != "lease_lost"]
         if not slots:
             return  # an idle worker shows it is alive through its polls
         sent = time.monotonic()
@@ -402,7 +430,7 @@ class Worker:
     def _abandon_expired(self) -> None:
         now = time.monotonic()
         for slot in list(self.slots.values()):
-            if slot.deadline < now and slot.stop_reason is None and not slot.finishing:
+            if slot.deadline < now and slot.stop_reason != "lease_lost" and not slot.finishing:
                 self._abandon(slot, "the lease could not be renewed before it expired")
 
     def _abandon(self, slot: Slot, why: str, *, cancel: bool = True) -> None:
@@ -416,6 +444,32 @@ class Worker:
         assert slot.task is not None
         if cancel:
             slot.task.cancel()
+        asyncio.get_running_loop().call_later(
+            self.settings.cancel_grace_seconds, self.stuck_check, slot,
+            "outlived the loss of its lease by the cancel grace")
+
+    # -- threads that cannot be stopped --------------------------------------------------------
+
+    def stuck_check(self, slot: Slot, why: str) -> None:
+        """Past a grace period: a run whose thread still runs makes this worker exit."""
+        if self.slots.get(slot.claimed.id) is slot and slot.run._threads_running:
+            self._stuck([slot], why)
+
+    def _stuck(self, slots: list[Slot], why: str) -> None:
+        """A thread cannot be stopped, and its run may not run anywhere else meanwhile: this
+        worker stops claiming, drains its other runs, keeps renewing the stuck runs' leases,
+        and exits (EXIT_STUCK) so their threads end with the process. Their leases then expire
+        and the reaper reclaims them (or records them cancelled, if a cancel was requested)."""
+        for slot in slots:
+            slot.run._close("its worker is exiting")
+            slot.abandoned = True
+            logger.error(
+                "run %s: a handler thread %s and cannot be stopped; this worker exits when"
+                " its other runs are done, and the run is reclaimed when its lease expires",
+                slot.claimed.id, why, extra={"action": "thread_stuck", **slot.extra})
+        self.exit_code = EXIT_STUCK
+        if self._stop is not None:
+            self._stop.set()
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -435,12 +489,23 @@ class Worker:
         for slot in unfinished:
             if slot.stop_reason is None:
                 slot.stop_reason = "shutdown"
+                # A plain handler gets no CancelledError: its next *_sync call refuses.
+                slot.run._close("the worker is shutting down")
                 assert slot.task is not None
                 slot.task.cancel()
-        pending = [s.task for s in self.slots.values() if s.task is not None]
+        pending = [s.task for s in self.slots.values() if s.task is not None and not s.abandoned]
         if pending:
             await asyncio.wait(pending, timeout=5)
-        await self._release([s for s in unfinished if s.stop_reason == "shutdown"])
+        # Decided once: a thread ending after this is left to its lease too (safe either way).
+        stuck = [s for s in self.slots.values() if s.run._threads_running]
+        if stuck:
+            self._stuck([s for s in stuck if not s.abandoned], "outlived the drain")
+        held = {s.claimed.id for s in stuck}
+        await self._release([s for s in unfinished
+                             if s.stop_reason == "shutdown" and s.claimed.id not in held])
+        # The stuck runs' tasks stay (their leases renewed) until the worker's last moment;
+        # asyncio.run cancels them then, and they no longer wait for their threads.
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _release(self, slots: list[Slot]) -> None:
         if not slots or self._pool is None:

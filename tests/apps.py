@@ -169,3 +169,43 @@ async def stubborn(run: runpool.Run) -> Any:
 async def poison(run: runpool.Run) -> Any:
     """Kills the worker process on every attempt."""
     os._exit(3)
+
+
+# -- plain-def handlers and tools that outlive their task (issue 21) ------------------------
+# Side table plain_log (created by tests/test_plaindef.py): one row per step a thread really
+# executed, stamped by the database clock, so executions can be checked for overlap.
+
+def _tick(run: runpool.Run, what: str) -> None:
+    _log("INSERT INTO plain_log (run_id, attempt, pid, what) VALUES (%s, %s, %s, %s)",
+         (str(run.id), run.attempt, os.getpid(), what))
+
+
+@app.handler("plain_steps")
+def plain_steps(run: runpool.Run) -> Any:
+    """Steps of `step` seconds in its thread, each logged. `honour`: on run.cancelled, takes
+    `cleanup_seconds`, commits a cleanup message and returns; `writes`: commits a message per
+    step (so a drain or lost lease reaches it through add_message_sync)."""
+    steps = int(run.input.get("steps" if run.attempt == 1 else "later_steps", 10))
+    for i in range(steps):
+        _tick(run, f"step {i}")
+        if run.input.get("honour") and run.cancelled:
+            time.sleep(float(run.input.get("cleanup_seconds", 0)))
+            run.add_message_sync("system", {"cleanup": True, "step": i})
+            _tick(run, "cleaned up")
+            return "stopped on cancel"
+        if run.input.get("writes"):
+            run.add_message_sync("assistant", {"step": i})
+        time.sleep(float(run.input.get("step", 0.1)))
+    return {"steps": steps, "attempt": run.attempt}
+
+
+@app.handler("plain_tool")
+async def plain_tool(run: runpool.Run) -> Any:
+    """An async handler whose tool is a plain def (run in a thread) that ignores cancellation."""
+    def slow(arguments: Any, key: str) -> Any:
+        for i in range(int(arguments["steps"])):
+            _tick(run, f"tool step {i}")
+            time.sleep(0.1)
+        return {"done": True}
+
+    return await run.tool("c0", "slow", {"steps": run.input.get("steps", 20)}, slow)
