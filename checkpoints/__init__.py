@@ -8,6 +8,7 @@ from .store import (
     append_message,
     commit_tool_result,
     load,
+    load_paged,
     mark_tool_unknown,
     record_tool_intent,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "append_message",
     "commit_tool_result",
     "load",
+    "load_paged",
     "mark_tool_unknown",
     "record_tool_intent",
 ]

@@ -11,6 +11,8 @@ an attempt that lost the lease finds no row, adds nothing and raises LeaseLost.
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final
 
 import psycopg
@@ -22,6 +24,7 @@ __all__ = [
     "append_message",
     "commit_tool_result",
     "load",
+    "load_paged",
     "mark_tool_unknown",
     "record_tool_intent",
 ]
@@ -39,16 +42,20 @@ WITH fence AS (
     WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
     FOR SHARE
 )"""
-# A run's conversation, oldest first.
+# One page of a run's conversation: the messages after seq `after`, oldest first.
 LOAD_MESSAGES: Final = """
 SELECT seq, role, content, attempt, call_id FROM runpool.messages
-WHERE run_id = %(run_id)s ORDER BY seq
+WHERE run_id = %(run_id)s AND seq > %(after)s ORDER BY seq LIMIT %(limit)s
 """
-# A run's tool calls, in the order they were started.
+# One page of a run's tool calls: those after call id `after`, in primary-key order.
 LOAD_TOOL_CALLS: Final = """
 SELECT call_id, name, arguments, status, result, attempt, executions, started_at, finished_at
-FROM runpool.tool_calls WHERE run_id = %(run_id)s ORDER BY started_at, call_id
+FROM runpool.tool_calls WHERE run_id = %(run_id)s AND call_id > %(after)s
+ORDER BY call_id LIMIT %(limit)s
 """
+# Rows per page of a load: small enough that one page is a short statement and a modest
+# buffer, large enough that a 20,000-row history takes a few dozen round trips.
+PAGE: Final = 500
 # Append one message at the next sequence number, if the attempt holds the run.
 INSERT_MESSAGE: Final = FENCE + """
 INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id)
@@ -101,17 +108,46 @@ async def _nothing_written(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID
     return LookupError(what)
 
 
-async def load(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID
+async def load(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, *, page: int = PAGE
                ) -> tuple[list[Message], dict[str, ToolCall]]:
-    """The committed conversation and tool calls of a run (what a resumed attempt starts from)."""
-    params = {"run_id": run_id}
-    async with conn.cursor(row_factory=class_row(Message)) as cur:
-        await cur.execute(LOAD_MESSAGES, params)
-        messages = await cur.fetchall()
-    async with conn.cursor(row_factory=class_row(ToolCall)) as cur:
-        await cur.execute(LOAD_TOOL_CALLS, params)
-        calls = {c.call_id: c for c in await cur.fetchall()}
-    return messages, calls
+    """The committed conversation and tool calls of a run (what a resumed attempt starts from),
+    read on `conn` in pages of `page` rows."""
+    @asynccontextmanager
+    async def same() -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        yield conn
+
+    return await load_paged(same, run_id, page=page)
+
+
+async def load_paged(connection: Callable[[], AbstractAsyncContextManager[
+                         psycopg.AsyncConnection[Any]]],
+                     run_id: uuid.UUID, *, page: int = PAGE
+                     ) -> tuple[list[Message], dict[str, ToolCall]]:
+    """load(), each page on a connection of its own from `connection()` (so each page can
+    have its own deadline): a long run's history — tens of thousands of messages and calls —
+    is never one huge result read under one deadline. Only the lease holder writes a run's
+    history, and it is the one resuming, so the pages form one consistent history."""
+    messages: list[Message] = []
+    while True:
+        async with connection() as conn, conn.cursor(row_factory=class_row(Message)) as cur:
+            await cur.execute(LOAD_MESSAGES, {
+                "run_id": run_id, "after": messages[-1].seq if messages else 0, "limit": page})
+            rows = await cur.fetchall()
+        messages += rows
+        if len(rows) < page:
+            break
+    calls: list[ToolCall] = []
+    while True:
+        async with connection() as conn, conn.cursor(row_factory=class_row(ToolCall)) as cur:
+            await cur.execute(LOAD_TOOL_CALLS, {
+                "run_id": run_id, "after": calls[-1].call_id if calls else "", "limit": page})
+            got = await cur.fetchall()
+        calls += got
+        if len(got) < page:
+            break
+    # Paged in key order; handed back in the order the calls were started.
+    calls.sort(key=lambda c: (c.started_at, c.call_id))
+    return messages, {c.call_id: c for c in calls}
 
 
 async def _write(conn: psycopg.AsyncConnection[Any], query: str, params: dict[str, Any],

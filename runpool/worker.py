@@ -366,9 +366,12 @@ class Worker:
     async def _resume(self, slot: Slot) -> None:
         """Restore what earlier attempts committed: resuming reads rows, it replays nothing."""
         assert self._pool is not None
+        pool, page_seconds = self._pool, self.settings.lease_seconds / 2
         try:
-            async with bounded(self._pool, self.settings.lease_seconds / 2) as conn:
-                messages, calls = await checkpoints.load(conn, slot.claimed.id)
+            # Paged, each page under its own deadline: a long run's history (20,000 messages
+            # and calls) is many short reads, not one read that must beat one deadline.
+            messages, calls = await checkpoints.load_paged(
+                lambda: bounded(pool, page_seconds), slot.claimed.id)
         except ValueError as exc:
             # jsonb holds values the decoder refuses (nesting past 1,024 levels): every
             # attempt would meet them, so the run fails now instead of retrying.

@@ -119,6 +119,15 @@ def agent_sync(run: runpool.Run) -> Any:
     return {"result": result}
 
 
+@app.handler("history_size")
+async def history_size(run: runpool.Run) -> Any:
+    """What a resumed attempt restored: counts, and whether both came back in order."""
+    seqs = [m.seq for m in run.messages]
+    started = [c.started_at for c in run.tool_calls.values()]
+    return {"messages": len(seqs), "calls": len(started), "attempt": run.attempt,
+            "in_order": seqs == sorted(seqs) and started == sorted(started)}
+
+
 @app.handler("sized_result")
 async def sized_result(run: runpool.Run) -> Any:
     return {"blob": "x" * int(run.input["bytes"])}

@@ -259,3 +259,35 @@ def test_forged_wakeup_flood__claims_are_rate_limited(
         made, elapsed = asyncio.run(main(login))
     # The budget: a burst of 10, then 10 fruitless claims a second (plus the real run's).
     assert made <= 10 + 10 * elapsed + 3, (made, elapsed)
+
+
+# A long run's history, written as its attempt 1 would have: `n` messages and `n` tool calls
+# of about 2 KB each.
+LONG_HISTORY = """
+WITH m AS (
+    INSERT INTO runpool.messages (run_id, seq, role, content, attempt)
+    SELECT %(run_id)s, i, 'assistant', jsonb_build_object('turn', i, 'text', repeat('x', 2000)), 1
+    FROM generate_series(1, %(n)s) AS i
+)
+INSERT INTO runpool.tool_calls (run_id, call_id, name, arguments, status, result, attempt,
+                                started_at, finished_at)
+SELECT %(run_id)s, 'c' || i, 'lookup', jsonb_build_object('i', i), 'succeeded',
+       jsonb_build_object('text', repeat('y', 2000)), 1,
+       now() - interval '1 day' + i * interval '1 second', now()
+FROM generate_series(1, %(n)s) AS i
+"""
+
+
+def test_resume_of_a_long_run__20000_messages_and_calls_load_in_pages_under_a_short_lease(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "history_size", max_attempts=2)
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                 " lease_expires_at = now() - interval '1 second' WHERE id = %s", (run_id,))
+    conn.execute(LONG_HISTORY, {"run_id": run_id, "n": 20_000})
+    # A 1 s lease: every read of the resume must end within half of it (one read of the whole
+    # history took longer), and heartbeats must go on between the pages.
+    with running_pool(dsn, workers=1, concurrency=2, lease_seconds=1):
+        wait_for(lambda: _terminal(conn, run_id), timeout=60, what="the resumed run ended")
+    row = run_row(conn, run_id)
+    assert (row["status"], row["result"]) == ("succeeded", {
+        "messages": 20_000, "calls": 20_000, "attempt": 2, "in_order": True}), row
