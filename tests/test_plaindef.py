@@ -107,9 +107,10 @@ def test_drain__a_plain_run_never_executes_in_two_pools_at_once(
 
 def test_cancel__a_plain_handler_sees_it_and_its_cleanup_is_committed_before_the_record(
         conn: psycopg.Connection, dsn: str) -> None:
+    """Also: the run keeps counting against its tenant's quota (1) until it is recorded."""
     run_id = runpool.enqueue(conn, "acme", "plain_steps", {
         "steps": 600, "step": 0.05, "honour": True, "cleanup_seconds": 0.5})
-    with running_pool(dsn, concurrency=1, cancel_grace_seconds=5) as pool:
+    with running_pool(dsn, concurrency=2, tenant_quota=1, cancel_grace_seconds=5) as pool:
         wait_for(lambda: steps(conn, run_id) >= 2, what="the thread to run")
         assert scalar(conn, CANCEL, run_id, "stop") == "cancelling"
         after = runpool.enqueue(conn, "acme", "noop")
@@ -122,7 +123,7 @@ def test_cancel__a_plain_handler_sees_it_and_its_cleanup_is_committed_before_the
     assert [c for c, _ in cleanup] == [{"cleanup": True, "step": cleanup[0][0]["step"]}]
     cleaned_up = scalar(conn, "SELECT at FROM plain_log WHERE run_id = %s"
                         " AND what = 'cleaned up'", run_id)
-    # Recorded only once the handler returned; the slot (concurrency 1) was not reused before.
+    # Recorded only once the handler returned; the tenant's next run waited for its quota.
     assert row["finished_at"] > cleaned_up
     assert claimed_at(conn, after) > cleaned_up
     assert row["error"]["reason"] == "cancelled"
