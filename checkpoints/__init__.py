@@ -3,10 +3,11 @@ fenced by the run's lease (its attempt number). This package never imports runpo
 
 from __future__ import annotations
 
-from .models import LeaseLost, Message, ToolCall
+from .models import CallMismatch, LeaseLost, Message, ToolCall
 from .store import (
     append_message,
     commit_tool_result,
+    find_message,
     load,
     load_paged,
     mark_tool_unknown,
@@ -14,11 +15,13 @@ from .store import (
 )
 
 __all__ = [
+    "CallMismatch",
     "LeaseLost",
     "Message",
     "ToolCall",
     "append_message",
     "commit_tool_result",
+    "find_message",
     "load",
     "load_paged",
     "mark_tool_unknown",

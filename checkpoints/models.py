@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-__all__ = ["LeaseLost", "Message", "ToolCall"]
+__all__ = ["CallMismatch", "LeaseLost", "Message", "ToolCall"]
 
 
 class LeaseLost(Exception):
@@ -14,6 +14,15 @@ class LeaseLost(Exception):
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
+
+
+class CallMismatch(ValueError):
+    """A call id already names a call of another tool or with other arguments."""
+
+    def __init__(self, call_id: str) -> None:
+        super().__init__(f"tool call id {call_id!r} is already used by a call of another tool"
+                         " or with other arguments: give each call its own id")
+        self.call_id = call_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,11 @@ statement is atomic in any transaction mode: on its own (autocommit) it is one r
 inside the caller's transaction it commits or rolls back with the caller's other writes. The
 lock makes a reclaim (which must update the run row) wait until the write commits; a write of
 an attempt that lost the lease finds no row, adds nothing and raises LeaseLost.
+
+Every write is safe to repeat by the attempt that made it (after a lost connection, say): a
+repeat that finds its own earlier write already committed accepts it instead of writing again
+(and instead of reporting "not in progress"). Only one attempt can write, so "written by this
+attempt" is a fact the repeat can read back.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import class_row
 
-from .models import LeaseLost, Message, ToolCall
+from .models import CallMismatch, LeaseLost, Message, ToolCall
 
 __all__ = [
     "append_message",
     "commit_tool_result",
+    "find_message",
     "load",
     "load_paged",
     "mark_tool_unknown",
@@ -65,15 +71,43 @@ SELECT fence.id,
 FROM fence
 RETURNING seq
 """
-# Record that a tool is about to run (a call interrupted in an earlier attempt is taken over),
-# if the attempt holds the run; nothing for a call already finished.
+# Record that a tool is about to run (the same call, interrupted in an EARLIER attempt, is taken
+# over), if the attempt holds the run; nothing for a call finished, started by this attempt, or
+# recorded with another tool name or other arguments.
 INSERT_INTENT: Final = FENCE + """
 INSERT INTO runpool.tool_calls AS t (run_id, call_id, name, arguments, status, attempt)
 SELECT fence.id, %(call_id)s, %(name)s, %(arguments)s, 'started', %(attempt)s FROM fence
 ON CONFLICT (run_id, call_id) DO UPDATE
     SET attempt = excluded.attempt, started_at = now(), executions = t.executions + 1
-    WHERE t.status = 'started'
+    WHERE t.status = 'started' AND t.attempt < excluded.attempt
+      AND t.name = excluded.name AND t.arguments = excluded.arguments
 RETURNING executions
+"""
+# One tool call's recorded state (to explain a write that wrote nothing).
+CALL_STATE: Final = """
+SELECT status, attempt, executions, name = %(name)s AND arguments = %(arguments)s
+FROM runpool.tool_calls WHERE run_id = %(run_id)s AND call_id = %(call_id)s
+"""
+# The tool message an attempt committed for a call (a repeated commit reads back its seq).
+CALL_MESSAGE: Final = """
+SELECT m.seq FROM runpool.tool_calls t
+JOIN runpool.messages m ON m.run_id = t.run_id AND m.call_id = t.call_id
+WHERE t.run_id = %(run_id)s AND t.call_id = %(call_id)s AND t.attempt = %(attempt)s
+  AND t.status = ANY (%(statuses)s)
+ORDER BY m.seq DESC LIMIT 1
+"""
+# A message this attempt already committed after `after` (a repeated append reads it back).
+FIND_MESSAGE: Final = """
+SELECT seq FROM runpool.messages
+WHERE run_id = %(run_id)s AND seq > %(after)s AND attempt = %(attempt)s AND call_id IS NULL
+  AND role = %(role)s AND content = %(content)s
+ORDER BY seq LIMIT 1
+"""
+# Whether this attempt already closed a call as unknown.
+MARKED_UNKNOWN: Final = """
+SELECT 1 FROM runpool.tool_calls
+WHERE run_id = %(run_id)s AND call_id = %(call_id)s AND attempt = %(attempt)s
+  AND status = 'unknown'
 """
 # Commit a started call's outcome and its tool message together, if the attempt holds the run;
 # a call is finished once (a committed call is never overwritten).
@@ -151,13 +185,28 @@ async def load_paged(connection: Callable[[], AbstractAsyncContextManager[
 
 
 async def _write(conn: psycopg.AsyncConnection[Any], query: str, params: dict[str, Any],
-                 refused: str) -> int:
-    """Run one fenced write; its single returned value, or why nothing was written."""
+                 refused: str, done: str | None = None) -> int:
+    """Run one fenced write; its single returned value, or (when nothing was written) what
+    `done` reads back of this attempt's own earlier write, or why nothing was written."""
     cur = await conn.execute(query, params)
     row = await cur.fetchone()
+    if row is None and done is not None:
+        cur = await conn.execute(done, params)
+        row = await cur.fetchone()
     if row is None:
         raise await _nothing_written(conn, params["run_id"], params["attempt"], refused)
     return int(row[0])
+
+
+async def find_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
+                       after: int, role: str, content: Any) -> int | None:
+    """The seq of this message if this attempt already committed it after seq `after` (so an
+    append repeated after a lost acknowledgement does not add it twice)."""
+    cur = await conn.execute(FIND_MESSAGE, {
+        "run_id": run_id, "attempt": attempt, "after": after, "role": role,
+        "content": content})
+    row = await cur.fetchone()
+    return None if row is None else int(row[0])
 
 
 async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
@@ -171,22 +220,34 @@ async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, 
 async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                              attempt: int, call_id: str, name: str, arguments: Any) -> int:
     """Record that a tool call is starting; returns how many times it has been started.
-    Raises LookupError if the call was already finished."""
-    return await _write(conn, INSERT_INTENT, {
-        "run_id": run_id, "attempt": attempt, "call_id": call_id, "name": name,
-        "arguments": arguments},
-        f"tool call {call_id!r} of run {run_id} is already finished")
+    Raises CallMismatch if the call id was recorded for another tool or other arguments, and
+    LookupError if the call was already finished."""
+    params = {"run_id": run_id, "attempt": attempt, "call_id": call_id, "name": name,
+              "arguments": arguments}
+    cur = await conn.execute(INSERT_INTENT, params)
+    row = await cur.fetchone()
+    if row is not None:
+        return int(row[0])
+    cur = await conn.execute(CALL_STATE, params)
+    state = await cur.fetchone()
+    if state is not None and not state[3]:
+        raise CallMismatch(call_id)
+    if state is not None and state[0] == "started" and state[1] == attempt:
+        return int(state[2])  # this attempt's own intent, committed by an earlier try
+    raise await _nothing_written(conn, run_id, attempt,
+                                 f"tool call {call_id!r} of run {run_id} is already finished")
 
 
 async def commit_tool_result(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                              attempt: int, call_id: str, *, status: str, result: Any,
                              message_role: str, message_content: Any) -> int:
     """Commit a tool's outcome (the checkpoint) and its tool message atomically; returns the
-    message's seq."""
+    message's seq (also when this attempt had already committed it)."""
     return await _write(conn, FINISH_CALL, {
         "run_id": run_id, "attempt": attempt, "call_id": call_id, "status": status,
-        "result": result, "role": message_role, "content": message_content},
-        f"tool call {call_id!r} of run {run_id} is not in progress")
+        "result": result, "role": message_role, "content": message_content,
+        "statuses": ["succeeded", "failed"]},
+        f"tool call {call_id!r} of run {run_id} is not in progress", CALL_MESSAGE)
 
 
 async def mark_tool_unknown(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
@@ -194,4 +255,4 @@ async def mark_tool_unknown(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUI
     """Close an interrupted call whose tool may not be retried: its outcome is unknown."""
     await _write(conn, MARK_UNKNOWN, {
         "run_id": run_id, "attempt": attempt, "call_id": call_id, "result": result},
-        f"tool call {call_id!r} of run {run_id} is not in progress")
+        f"tool call {call_id!r} of run {run_id} is not in progress", MARKED_UNKNOWN)

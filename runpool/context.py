@@ -14,20 +14,46 @@ from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import orjson
+import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 import checkpoints
-from checkpoints import Message, ToolCall
+from checkpoints import CallMismatch, Message, ToolCall
 
 from . import faults, telemetry
-from .db import bounded, dumps, jsonb
+from .db import dumps, jsonb, loads, retrying
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
 
 __all__ = ["Run", "ToolFn"]
 
 ToolFn = Callable[[Any, str], Any] | Callable[[Any, str], Awaitable[Any]]
 T = TypeVar("T")
+Op = Callable[[psycopg.AsyncConnection[Any], int], Awaitable[T]]
+UNKNOWN: dict[str, Any] = {"outcome": "unknown"}
+
+
+def _canonical(value: Any) -> bytes:
+    """A JSON value's identity: what a call's name and arguments are compared by."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+async def _finish(coro: Awaitable[T]) -> T:
+    """Run `coro` to its end even if the caller is cancelled meanwhile (the cancellation is
+    delivered after it): a finished tool's result must not be thrown away half-committed."""
+    task = asyncio.ensure_future(coro)
+    interrupted = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
+        raise asyncio.CancelledError
+    return task.result()
 
 
 class Run:
@@ -62,6 +88,8 @@ class Run:
         self._write_timeout = write_timeout
         self._messages = list(messages)
         self._calls = dict(tool_calls or {})
+        # Calls being executed in this attempt: (identity, the outcome other callers share).
+        self._inflight: dict[str, tuple[bytes, asyncio.Future[Any]]] = {}
         self._cancelled = asyncio.Event()
         self._lost = False
         # Writes of one run are serialised: the message sequence is max + 1 under the fence.
@@ -148,20 +176,38 @@ class Run:
             raise RuntimeError("this Run is not attached to a database")
         return self._pool
 
+    async def _db(self, pool: AsyncConnectionPool, what: str, op: Op[T]) -> T:
+        """A checkpoint write (each is safe to repeat, see checkpoints.store), on another
+        connection if its first one broke: a finished tool's result is never thrown away
+        because the pool handed out a connection the server had closed."""
+        try:
+            return await retrying(pool, self._write_timeout, op, what=what,
+                                  log={"run_id": str(self.id)})
+        except LeaseLost:
+            self._lost = True
+            raise
+
     async def add_message(self, role: str, content: Any) -> Message:
         """Commit one message to the conversation (fenced by the lease)."""
         if not isinstance(role, str) or not 1 <= len(role) <= 64 or "\x00" in role:
             raise InvalidInput("message role must be 1 to 64 characters, without NUL")
         data = self._encode(content, "message content")
         pool = self._writable()
-        async with self._write_lock, bounded(pool, self._write_timeout) as conn:
-            try:
-                seq = await checkpoints.append_message(
-                    conn, self.id, self.attempt, role, jsonb(data))
-            except LeaseLost:
-                self._lost = True
-                raise
-        message = Message(seq, role, content, self.attempt)
+
+        async def append(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+            if tries:  # the earlier try may have committed before its connection broke
+                seq = await checkpoints.find_message(
+                    conn, self.id, self.attempt, after, role, jsonb(data))
+                if seq is not None:
+                    return seq
+            return await checkpoints.append_message(
+                conn, self.id, self.attempt, role, jsonb(data))
+
+        async with self._write_lock:
+            after = self._messages[-1].seq if self._messages else 0
+            seq = await self._db(pool, "message write", append)
+        # The committed JSON value, the same as a resumed attempt will read.
+        message = Message(seq, role, loads(data), self.attempt)
         self._messages.append(message)
         return message
 
@@ -169,7 +215,12 @@ class Run:
 
     async def tool(self, call_id: str, name: str, arguments: Any, fn: ToolFn, *,
                    retry_interrupted: bool = True) -> Any:
-        """Run a tool at most once per committed call_id and return its (committed) result.
+        """Run a tool at most once per committed call_id and return its (committed) result:
+        the committed JSON value, the same in every attempt (a tuple comes back as a list).
+
+        - a call_id names one call: reusing it with another tool name or other arguments raises
+          InvalidInput and runs nothing; awaited twice at once, the tool runs once and both
+          callers get its result;
 
         - committed in an earlier attempt: its stored result is returned; fn is not called;
         - never started: the intent is committed, fn(arguments, idempotency_key) runs, and its
@@ -185,7 +236,17 @@ class Run:
         if not isinstance(name, str) or not 1 <= len(name) <= 200 or "\x00" in name:
             raise InvalidInput("tool name must be 1 to 200 characters, without NUL")
         args = self._encode(arguments, "tool arguments")
+        committed_args = loads(args)
+        identity = _canonical([name, committed_args])
         prior = self._calls.get(call_id)
+        if prior is not None and _canonical([prior.name, prior.arguments]) != identity:
+            raise InvalidInput(str(CallMismatch(call_id)))
+        shared = self._inflight.get(call_id)
+        if shared is not None:
+            if shared[0] != identity:
+                raise InvalidInput(str(CallMismatch(call_id)))
+            # The same call awaited twice at once: it runs once, both get its outcome.
+            return await asyncio.shield(shared[1])
         if prior is not None and prior.committed:
             # Resume is visible in the trace as an event, not as a new execution.
             telemetry.event("runpool.checkpoint.hit", **{
@@ -197,49 +258,75 @@ class Run:
             # A cancelled run starts no new tool calls (sync handlers reach here too).
             raise asyncio.CancelledError(f"run {self.id} was cancelled")
         pool = self._writable()
-        with telemetry.tool_span(name, call_id) as span:
-            result = await self._run_tool(pool, prior, call_id, name, arguments, args, fn,
-                                          retry_interrupted)
-            if span is not None and isinstance(result, dict) and "error" in result:
-                span.set_status(telemetry.Status(telemetry.StatusCode.ERROR))
+        # Registered before the first await, so a second caller finds it.
+        outcome: asyncio.Future[Any] = self._loop.create_future()
+        self._inflight[call_id] = (identity, outcome)
+        try:
+            with telemetry.tool_span(name, call_id) as span:
+                result = await self._run_tool(pool, prior, call_id, name, arguments, args,
+                                              committed_args, fn, retry_interrupted)
+                if span is not None and isinstance(result, dict) and "error" in result:
+                    span.set_status(telemetry.Status(telemetry.StatusCode.ERROR))
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                outcome.cancel()
+            else:
+                outcome.set_exception(exc)
+                outcome.exception()  # retrieved: a sharer re-raises it, nobody else needs to
+            raise
+        else:
+            outcome.set_result(result)
             return result
+        finally:
+            del self._inflight[call_id]
 
     async def _run_tool(self, pool: AsyncConnectionPool, prior: ToolCall | None, call_id: str,
-                        name: str, arguments: Any, args: bytes, fn: ToolFn,
-                        retry_interrupted: bool) -> Any:
+                        name: str, arguments: Any, args: bytes, committed_args: Any,
+                        fn: ToolFn, retry_interrupted: bool) -> Any:
         interrupted = prior is not None and prior.status == "started"
         try:
             if interrupted and not retry_interrupted:
-                async with self._write_lock, bounded(pool, self._write_timeout) as conn:
-                    await checkpoints.mark_tool_unknown(
-                        conn, self.id, self.attempt, call_id, Jsonb({"outcome": "unknown"}))
-                self._remember(call_id, name, arguments, "unknown", {"outcome": "unknown"})
+                async with self._write_lock:
+                    await self._db(pool, "tool call close", lambda conn, _: (
+                        checkpoints.mark_tool_unknown(
+                            conn, self.id, self.attempt, call_id, Jsonb(UNKNOWN))))
+                self._remember(call_id, name, committed_args, "unknown", UNKNOWN)
                 raise ToolOutcomeUnknown(call_id)
-            async with self._write_lock, bounded(pool, self._write_timeout) as conn:
+            async with self._write_lock:
                 # Committed before the tool runs: a crash from here on leaves the evidence.
-                await checkpoints.record_tool_intent(
-                    conn, self.id, self.attempt, call_id, name, jsonb(args))
-            self._remember(call_id, name, arguments, "started", None)
-            status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
-            faults.hit("tool.returned")
-            try:
-                data = self._encode(result, "tool result")
-            except InvalidInput as exc:
-                status, result = "failed", {"error": {"type": "ResultRejected",
-                                                      "message": str(exc)}}
-                data = dumps(result)
-            async with self._write_lock, bounded(pool, self._write_timeout) as conn:
-                seq = await checkpoints.commit_tool_result(
-                    conn, self.id, self.attempt, call_id, status=status,
-                    result=jsonb(data), message_role="tool",
-                    message_content=jsonb(data))
-            faults.hit("checkpoint.committed")
-        except LeaseLost:
-            self._lost = True
-            raise
-        self._remember(call_id, name, arguments, status, result)
-        self._messages.append(Message(seq, "tool", result, self.attempt, call_id))
-        return result
+                await self._db(pool, "tool intent write", lambda conn, _: (
+                    checkpoints.record_tool_intent(
+                        conn, self.id, self.attempt, call_id, name, jsonb(args))))
+        except CallMismatch as exc:
+            raise InvalidInput(str(exc)) from None
+        self._remember(call_id, name, committed_args, "started", None)
+        status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
+        faults.hit("tool.returned")
+        try:
+            data = self._encode(result, "tool result")
+        except InvalidInput as exc:
+            status, result = "failed", {"error": {"type": "ResultRejected",
+                                                  "message": str(exc)}}
+            data = dumps(result)
+        # The tool has run: its result is committed even if a cancellation (a drain's end,
+        # the watchdog, a cancel notice) arrives meanwhile; the cancellation comes after.
+        value = await _finish(self._commit(pool, call_id, name, committed_args, status, data))
+        faults.hit("checkpoint.committed")
+        return value
+
+    async def _commit(self, pool: AsyncConnectionPool, call_id: str, name: str,
+                      arguments: Any, status: str, data: bytes) -> Any:
+        """Commit a finished call's outcome with its tool message; its committed JSON value."""
+        async with self._write_lock:
+            seq = await self._db(pool, "tool result commit", lambda conn, _: (
+                checkpoints.commit_tool_result(
+                    conn, self.id, self.attempt, call_id, status=status, result=jsonb(data),
+                    message_role="tool", message_content=jsonb(data))))
+        # What the handler gets is the committed JSON value, the same as after a resume.
+        value = loads(data)
+        self._remember(call_id, name, arguments, status, value)
+        self._messages.append(Message(seq, "tool", value, self.attempt, call_id))
+        return value
 
     async def _execute(self, fn: ToolFn, arguments: Any, key: str) -> tuple[str, Any]:
         try:

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import socket
-from collections.abc import AsyncIterator
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import orjson
 import psycopg
 from psycopg import capabilities
 from psycopg import errors as pg_errors
 from psycopg.abc import AdaptContext
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .errors import InvalidInput
 
 __all__ = [
+    "again",
     "bounded",
     "configure",
     "connect",
@@ -29,9 +34,14 @@ __all__ = [
     "jsonb",
     "loads",
     "open_pool",
+    "retrying",
     "sever",
+    "transient",
     "translate_error",
 ]
+
+logger = logging.getLogger("runpool.db")
+T = TypeVar("T")
 
 # Keepalives let the kernel notice a half-open idle connection (a peer that vanished) in
 # ~20 s instead of two hours; tcp_user_timeout does the same for data sent and never
@@ -50,12 +60,31 @@ KEEPALIVES: dict[str, Any] = {
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
-# The queue's statements are short index probes: JIT compilation (which a cost estimate on
-# young statistics can trigger) would cost a hundred times the query.
-NO_JIT: Final = "SET jit = off"
+# Every runpool session, set up in the one round trip a new connection costs anyway:
+# - read committed, whatever the database's default_transaction_isolation: the fenced writes
+#   and the queue's statements are written for it (under repeatable read a checkpoint write
+#   fails with a serialization error whenever the heartbeat touched the run row). Pinned per
+#   session, not per transaction, so no statement pays for it. PgBouncer in transaction mode
+#   (issue 19) shares sessions between clients: it will need the startup-parameter form
+#   (`options=-c default_transaction_isolation=...`, allowed through by the pooler) or
+#   `BEGIN ISOLATION LEVEL READ COMMITTED` per transaction;
+# - no JIT: the queue's statements are short index probes, and JIT compilation (which a cost
+#   estimate on young statistics can trigger) would cost a hundred times the query;
+# - the server's idle_session_timeout (ms, 0 = none), so the pool retires a connection before
+#   the server closes it under a caller's statement.
+SESSION_SETUP: Final = """
+SELECT set_config('default_transaction_isolation', 'read committed', false),
+       set_config('jit', 'off', false),
+       (SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'idle_session_timeout')
+"""
 # Marks a worker's session: a worker that ends a run claims again at once, so releasing the
 # next run of a serial key from its session needs no doorbell.
-WORKER_SESSION: Final = "SET runpool.session = 'worker'"
+WORKER_SESSION: Final = """
+SELECT set_config('default_transaction_isolation', 'read committed', false),
+       set_config('jit', 'off', false),
+       (SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'idle_session_timeout'),
+       set_config('runpool.session', 'worker', false)
+"""
 
 
 def dumps(value: Any) -> bytes:
@@ -92,7 +121,7 @@ def configure(context: AdaptContext) -> None:
 def connect(dsn: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
     conn = psycopg.connect(dsn, autocommit=True, **KEEPALIVES)
     configure(conn)
-    conn.execute(NO_JIT)
+    conn.execute(SESSION_SETUP)
     conn.autocommit = autocommit
     return conn
 
@@ -100,9 +129,14 @@ def connect(dsn: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
 async def aconnect(dsn: str, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **KEEPALIVES)
     configure(conn)
-    await conn.execute(NO_JIT)
+    await conn.execute(SESSION_SETUP)
     await conn.set_autocommit(autocommit)
     return conn
+
+
+# Per pooled connection: (monotonic time it was last returned, seconds it may stay idle).
+_idle: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], tuple[float, float]] = (
+    weakref.WeakKeyDictionary())
 
 
 async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -110,27 +144,105 @@ async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
     # Single statements commit on their own (one round trip); multi-statement work opens an
     # explicit transaction.
     await conn.set_autocommit(True)
-    await conn.execute(NO_JIT)
-    await conn.execute(WORKER_SESSION)
+    cur = await conn.execute(WORKER_SESSION)
+    row = await cur.fetchone()
+    timeout_ms = int(row[2]) if row and row[2] else 0
+    # Past half the server's deadline a connection is checked before use: the server starts
+    # counting when it goes idle, a little before the connection is back in the pool.
+    _idle[conn] = (time.monotonic(), timeout_ms / 2000 if timeout_ms else float("inf"))
+
+
+async def _returned(conn: psycopg.AsyncConnection[Any]) -> None:
+    _, limit = _idle.get(conn, (0.0, float("inf")))
+    _idle[conn] = (time.monotonic(), limit)
+
+
+async def _fresh_enough(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Checkout check, with a round trip only for a connection that idled long enough for the
+    server's idle_session_timeout to have closed it: a closed one is replaced, not handed out
+    to fail its caller's statement."""
+    since, limit = _idle.get(conn, (0.0, float("inf")))
+    if time.monotonic() - since >= limit:
+        await AsyncConnectionPool.check_connection(conn)
+        _idle[conn] = (time.monotonic(), limit)
 
 
 async def open_pool(dsn: str, *, size: int, name: str) -> AsyncConnectionPool:
-    """Open the worker's pool. There is no check on checkout (it would cost a round trip on
-    every claim): a connection found broken fails its statement, the caller retries, and the
-    pool replaces it."""
+    """Open the worker's pool. The checkout check costs no round trip (a real one would cost
+    one on every claim), except for a connection idle past half the server's
+    idle_session_timeout, which the server may have closed. A connection broken otherwise (a
+    restart, a failover, pg_terminate_backend) fails its statement; the pool replaces it, and
+    the operations that are safe to repeat retry on another connection (see retrying)."""
     pool: AsyncConnectionPool = AsyncConnectionPool(
         dsn,
         min_size=size,
         max_size=size,
         name=name,
         open=False,
-        kwargs=dict(KEEPALIVES),
+        # Named after the pool (unless the DSN names its connections): an operator can tell a
+        # worker's connections in pg_stat_activity.
+        kwargs={**KEEPALIVES, **({} if "application_name" in conninfo_to_dict(dsn)
+                                 else {"application_name": name})},
         configure=_configure_pooled,
+        check=_fresh_enough,
+        reset=_returned,
         max_idle=300,
         reconnect_timeout=3600,
     )
     await pool.open(wait=True, timeout=30)
     return pool
+
+
+def transient(exc: BaseException) -> bool:
+    """Worth repeating on another connection: the connection, the server or a concurrent
+    transaction failed the statement (SQLSTATE classes 08, 40, 53, 57, 58, or no SQLSTATE:
+    the client lost the connection), not the statement's own data (a value the database
+    refuses fails the same way every time)."""
+    if isinstance(exc, TimeoutError | PoolTimeout):
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state[:2] in ("08", "40", "53", "57", "58")
+
+
+async def retrying(pool: AsyncConnectionPool, seconds: float,
+                   op: Callable[[psycopg.AsyncConnection[Any], int], Awaitable[T]],
+                   *, what: str, log: dict[str, str] | None = None) -> T:
+    """Run `op(conn, try_number)` on a pooled connection, again on another one when it fails
+    transiently, until it succeeds or `seconds` have passed (then its last error is raised).
+
+    Only for operations that are safe to repeat: reads, and writes that tell "already done
+    by me" from "refused" on a later try (which is what try_number is for)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+
+    async def once(tries: int) -> T:
+        left = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        async with bounded(pool, left) as conn:
+            return await op(conn, tries)
+
+    return await again(once, seconds, what=what, log=log)
+
+
+async def again(op: Callable[[int], Awaitable[T]], seconds: float, *, what: str,
+                log: dict[str, str] | None = None) -> T:
+    """Run `op(try_number)` until it does not fail transiently, or `seconds` have passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    delay = 0.02
+    tries = 0
+    while True:
+        try:
+            return await op(tries)
+        except Exception as exc:
+            tries += 1
+            if not transient(exc) or loop.time() + delay >= deadline:
+                raise
+            logger.warning("%s failed (try %d), retrying on another connection: %r",
+                           what, tries, exc,
+                           extra={"action": "db_retry", "what": what, **(log or {})})
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
 
 
 @asynccontextmanager

@@ -27,7 +27,7 @@ from .app import App
 from .cancellation import Canceller
 from .claiming import ClaimedRun, claim, claim_statements
 from .context import Run
-from .db import bounded, open_pool
+from .db import again, bounded, open_pool
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
 from .listener import ClaimBudget, Listener
 from .outcomes import Outcome, OutcomeWriter
@@ -369,9 +369,12 @@ class Worker:
         pool, page_seconds = self._pool, self.settings.lease_seconds / 2
         try:
             # Paged, each page under its own deadline: a long run's history (20,000 messages
-            # and calls) is many short reads, not one read that must beat one deadline.
-            messages, calls = await checkpoints.load_paged(
-                lambda: bounded(pool, page_seconds), slot.claimed.id)
+            # and calls) is many short reads, not one read that must beat one deadline. A
+            # read: repeated when a connection broke under it.
+            messages, calls = await again(
+                lambda _: checkpoints.load_paged(lambda: bounded(pool, page_seconds),
+                                                 slot.claimed.id),
+                page_seconds, what="resume read", log=slot.extra)
         except ValueError as exc:
             # jsonb holds values the decoder refuses (nesting past 1,024 levels): every
             # attempt would meet them, so the run fails now instead of retrying.

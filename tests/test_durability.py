@@ -1,0 +1,135 @@
+"""Issue 22: a finished tool's result is never thrown away, whatever the database does
+around the commit (closed idle sessions, repeatable read by default, reused call ids, ...)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+import runpool
+from runpool.db import aconnect, connect, open_pool
+from tests.helpers import assert_invariants, run_row, running_pool, scalar, wait_for
+
+APP = "tests.durability_apps:app"
+
+
+def _done(conn: psycopg.Connection, run_id: uuid.UUID) -> bool:
+    return run_row(conn, run_id)["status"] in ("succeeded", "failed", "cancelled")
+
+
+def _executions(conn: psycopg.Connection, run_id: uuid.UUID) -> dict[str, int]:
+    return dict(conn.execute("SELECT call_id, count(*) FROM tool_log WHERE run_id = %s"
+                             " GROUP BY call_id", (run_id,)).fetchall())
+
+
+def _alter_database(conn: psycopg.Connection, setting: str, value: str) -> None:
+    """A database-level default, as an operator sets it (applies to new sessions)."""
+    conn.execute(sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+        sql.Identifier(conn.info.dbname), sql.Identifier(setting), sql.Literal(value)))
+
+
+def test_idle_session_timeout__a_finished_tool_result_survives_a_closed_connection(
+        conn: psycopg.Connection, dsn: str) -> None:
+    _alter_database(conn, "idle_session_timeout", "2s")
+    safe = runpool.enqueue(conn, "acme", "slow_tools", {"steps": 2, "tool_seconds": 4})
+    unsafe = runpool.enqueue(conn, "acme", "slow_tools",
+                             {"steps": 2, "tool_seconds": 4, "unsafe": True})
+    # Nothing else touches the pool during a tool (no poll, no heartbeat), as in production
+    # where a quiet pool's idle connections are exactly the ones the server closes.
+    with running_pool(dsn, app=APP, lease_seconds=30, poll_seconds=30, pool_size=4):
+        wait_for(lambda: _done(conn, safe) and _done(conn, unsafe), timeout=60, what="runs")
+    for run_id in (safe, unsafe):
+        row = run_row(conn, run_id)
+        # The server closed the idle pooled connections during each 4 s tool: the result
+        # was committed on another connection, in the first attempt, each tool run once.
+        assert (row["status"], row["attempt"]) == ("succeeded", 1), row["error"]
+        assert _executions(conn, run_id) == {"c0": 1, "c1": 1}
+    assert_invariants(conn)
+
+
+def test_repeatable_read_default__every_runpool_connection_reads_committed(
+        conn: psycopg.Connection, dsn: str) -> None:
+    _alter_database(conn, "default_transaction_isolation", "repeatable read")
+    isolation = "SELECT current_setting('transaction_isolation')"
+
+    async def pooled() -> list[str]:
+        pool = await open_pool(dsn, size=2, name="test")
+        try:
+            async with pool.connection() as c, pool.connection() as d:
+                return [str((await (await x.execute(isolation)).fetchone() or [""])[0])
+                        for x in (c, d)]
+        finally:
+            await pool.close()
+
+    async def direct() -> str:
+        async with await aconnect(dsn) as c:
+            return str((await (await c.execute(isolation)).fetchone() or [""])[0])
+
+    with psycopg.connect(dsn) as plain:  # not runpool's: the database default applies
+        assert scalar(plain, isolation) == "repeatable read"
+    assert asyncio.run(pooled()) == ["read committed"] * 2
+    assert asyncio.run(direct()) == "read committed"
+    with connect(dsn) as c:
+        assert scalar(c, isolation) == "read committed"
+
+
+def test_repeatable_read_default__checkpoints_under_heartbeats_run_each_tool_once(
+        conn: psycopg.Connection, dsn: str) -> None:
+    _alter_database(conn, "default_transaction_isolation", "repeatable read")
+    runs = [runpool.enqueue(conn, "acme", "slow_tools", {"steps": 40, "tool_seconds": 0.01})
+            for _ in range(4)]
+    with running_pool(dsn, app=APP, heartbeat_seconds=0.05, lease_seconds=5):
+        wait_for(lambda: all(_done(conn, r) for r in runs), timeout=90, what="runs")
+    for run_id in runs:
+        assert run_row(conn, run_id)["status"] == "succeeded"
+        assert set(_executions(conn, run_id).values()) == {1}
+    assert_invariants(conn)
+
+
+def test_reused_call_id__another_tool_is_refused_never_answered_with_the_first_result(
+        conn: psycopg.Connection, dsn: str) -> None:
+    same = runpool.enqueue(conn, "acme", "reuse_call_id")
+    across = runpool.enqueue(conn, "acme", "reuse_call_id", {"crash": True})
+    with running_pool(dsn, app=APP, lease_seconds=1.5):
+        wait_for(lambda: _done(conn, same) and _done(conn, across), timeout=30, what="runs")
+    result = run_row(conn, same)["result"]
+    assert result["ran"] == ["search"]
+    assert result["second"].startswith("InvalidInput: tool call id 'call_0'")
+    # Attempt 1 started `search` and died in it; attempt 2 may not take the call over with
+    # another tool: the row still names the tool that ran, and delete_file never ran.
+    row = run_row(conn, across)
+    assert (row["status"], row["attempt"]) == ("succeeded", 2)
+    assert row["result"]["ran"] == [] and "call_0" in row["result"]["second"]
+    assert conn.execute("SELECT name, status FROM runpool.tool_calls WHERE run_id = %s",
+                        (across,)).fetchall() == [("search", "started")]
+
+
+def test_same_call_id_awaited_twice_at_once__runs_once_both_get_the_result(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "same_call_twice")
+    with running_pool(dsn, app=APP):
+        wait_for(lambda: _done(conn, run_id), what="run")
+    assert run_row(conn, run_id)["result"] == [{"done": True}, {"done": True}]
+    assert _executions(conn, run_id) == {"c0": 1}
+    assert scalar(conn, "SELECT executions FROM runpool.tool_calls WHERE run_id = %s",
+                  run_id) == 1
+
+
+def test_tool_values__the_committed_json_value_in_every_attempt(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "json_values", {"crash": True})
+    with running_pool(dsn, app=APP, lease_seconds=1.5):
+        wait_for(lambda: _done(conn, run_id), timeout=30, what="run")
+    row = run_row(conn, run_id)
+    assert (row["status"], row["attempt"]) == ("succeeded", 2)
+    expected: dict[str, Any] = {"tuple": ["list", [1, 2]],
+                                "datetime": ["str", "2026-01-02T03:04:05+00:00"],
+                                "nan": ["NoneType", None], "messages": ["list", "str", "NoneType"]}
+    first = scalar(conn, "SELECT content FROM runpool.messages WHERE run_id = %s"
+                   " AND role = 'user'", run_id)
+    assert first == {"seen": expected}  # what attempt 1 saw
+    assert row["result"] == expected  # what attempt 2 saw after resuming
