@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -70,6 +71,7 @@ async def claim_statements(
     lease_seconds: float,
     touch: bool = False,
     reap_expired: bool = True,
+    handlers: Sequence[str] | None = None,
 ) -> psycopg.AsyncCursor[dict[str, Any]] | None:
     """The claim's statements, run inside the caller's pipelined transaction. Returns the
     cursor of claimed rows (None when no tenant has work and room), to be read after COMMIT:
@@ -80,13 +82,17 @@ async def claim_statements(
     With `touch`, the worker's liveness is recorded in the same transaction, so an idle worker
     costs one transaction per poll and no more. `reap_expired` returns expired leases to the
     queue first (a busy worker need not do it on every claim: an expired lease never counts
-    against a quota, it only waits to be claimable again).
+    against a quota, it only waits to be claimable again). With `handlers`, only runs of those
+    handlers are claimed (a mixed fleet: another pool's runs wait for it).
     """
     if reap_expired:
         await conn.execute(QUERIES["reap_expired"])
     if touch:
         await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
-    cur = await conn.execute(QUERIES["lock_tenants"])
+    # Runs whose time has come join the claim's index first (one index probe when none has).
+    await conn.execute(QUERIES["promote_due"])
+    names = None if handlers is None else list(handlers)
+    cur = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
     tenants = [t for (t,) in await cur.fetchall()]
     if not tenants:
         return None
@@ -95,7 +101,7 @@ async def claim_statements(
     claimed.adapters.register_loader("jsonb", _JsonText)
     await claimed.execute(QUERIES["claim_runs"], {
         "tenants": tenants, "limit": limit, "worker_id": worker_id,
-        "lease_seconds": lease_seconds})
+        "lease_seconds": lease_seconds, "handlers": names})
     return claimed
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "RunpoolError",
     "SchemaOutOfDate",
     "ToolOutcomeUnknown",
+    "UnsafeSchema",
 ]
 
 
@@ -28,6 +29,10 @@ class InvalidInput(RunpoolError, ValueError):
 
 class SchemaOutOfDate(RunpoolError):
     """The database schema is out of date: run `python -m runpool migrate`."""
+
+
+class UnsafeSchema(RunpoolError):
+    """The runpool schema is controlled by a role other than the one migrating it."""
 
 
 class ToolOutcomeUnknown(RunpoolError):
@@ -48,5 +53,6 @@ class Fail(RunpoolError):
         self.reason = reason
 
 
-for _cls in (RunpoolError, InvalidInput, SchemaOutOfDate, ToolOutcomeUnknown, Fail):
+for _cls in (RunpoolError, InvalidInput, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown,
+             Fail):
     _cls.__module__ = "runpool"

@@ -9,9 +9,10 @@ from typing import Any, Final, LiteralString, cast
 
 import psycopg
 
-from .errors import SchemaOutOfDate
+from .errors import SchemaOutOfDate, UnsafeSchema
 
-__all__ = ["Migration", "applied_versions", "check", "migrate", "migrations", "pending"]
+__all__ = ["Migration", "applied_versions", "check", "check_owner", "migrate", "migrations",
+           "pending"]
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent.parent / "migrations"
 _NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
@@ -32,6 +33,15 @@ APPLIED: Final = """
 SELECT version FROM runpool.schema_migrations
 WHERE to_regclass('runpool.schema_migrations') IS NOT NULL
 ORDER BY version
+"""
+# Who owns the schema, whether the migrating role may act as that owner, and whether anyone
+# but the owner may create objects in it (they could plant a table or function that the
+# owner's code would then use).
+SCHEMA_OWNER: Final = """
+SELECT n.nspowner::regrole::text, pg_has_role(current_user, n.nspowner, 'USAGE'),
+       EXISTS (SELECT 1 FROM aclexplode(n.nspacl) a
+               WHERE a.privilege_type = 'CREATE' AND a.grantee <> n.nspowner)
+FROM pg_namespace n WHERE n.nspname = 'runpool'
 """
 HAS_TABLE: Final = "SELECT to_regclass('runpool.schema_migrations') IS NOT NULL"
 RECORD: Final = "INSERT INTO runpool.schema_migrations (version, name) VALUES (%s, %s)"
@@ -69,6 +79,7 @@ def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
     """Apply what is missing, all in one transaction; returns what was applied."""
     with conn.transaction():
         conn.execute(LOCK_MIGRATIONS)
+        check_owner(conn)
         conn.execute(BOOTSTRAP)
         todo = pending(conn)
         for m in todo:
@@ -76,6 +87,23 @@ def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
             conn.execute(cast(LiteralString, m.sql))  # type: ignore[redundant-cast]
             conn.execute(RECORD, (m.version, m.name))
     return todo
+
+
+def check_owner(conn: psycopg.Connection[Any]) -> None:
+    """Refuse to migrate a `runpool` schema that someone else controls: its owner (or anyone
+    it lets create objects) could replace what the SECURITY DEFINER functions rely on."""
+    row = conn.execute(SCHEMA_OWNER).fetchone()
+    if row is None:
+        return  # created by BOOTSTRAP, owned by the migrating role
+    owner, ours, others_create = row
+    if not ours:
+        raise UnsafeSchema(
+            f"the runpool schema is owned by {owner}, which the migrating role"
+            " is not a member of; migrate as its owner, or drop the schema first")
+    if others_create:
+        raise UnsafeSchema(
+            "roles other than the owner may create objects in the runpool schema;"
+            " REVOKE CREATE ON SCHEMA runpool FROM them before migrating")
 
 
 def check(conn: psycopg.Connection[Any]) -> None:

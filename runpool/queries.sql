@@ -25,7 +25,8 @@ reaped AS (
             WHEN r.cancel_requested_at IS NOT NULL
               OR r.attempt - r.attempt_offset >= r.max_attempts THEN now() END,
         lease_expires_at = NULL,
-        available_at = now()
+        available_at = now(),
+        deferred = false
     FROM expired
     WHERE r.id = expired.id
     RETURNING r.id, r.attempt, r.status, r.worker_id
@@ -40,27 +41,51 @@ SELECT count(*) AS reaped,
        CASE WHEN bool_or(status = 'queued') THEN pg_notify('runpool_wakeup', '') END AS rang
 FROM reaped;
 
+-- name: promote_due
+-- Put runs whose time has come (run_at, retry backoff) into the claim's index (0006: runs
+-- waiting for their time stay out of it, so the claim never walks them). Rows another
+-- transaction holds are left to the next claim.
+UPDATE runpool.runs r SET deferred = false
+WHERE r.id IN (SELECT d.id FROM runpool.runs d
+               WHERE d.status = 'queued' AND d.deferred AND d.available_at <= now()
+               ORDER BY d.available_at
+               LIMIT 1000
+               FOR NO KEY UPDATE SKIP LOCKED);
+
 -- name: lock_tenants
--- Lock, in tenant order (so claimers never deadlock), the tenants that have waiting runs and
--- look under quota. The count here may be stale; claim_runs recounts under the lock.
-WITH RECURSIVE waiting AS (
-    -- A loose index scan: one probe per tenant with queued runs, however deep each queue is.
-    (SELECT tenant FROM runpool.runs WHERE status = 'queued' AND NOT held
-     ORDER BY tenant LIMIT 1)
+-- Lock, in tenant order (so claimers never deadlock), the tenants the claim may take from: of
+-- those with runs that can start now (of a handler this pool serves) and that look under
+-- quota, the %(limit)s whose best run ranks best (only they can supply the %(limit)s best
+-- runs). The count here may be stale; claim_runs recounts under the lock.
+WITH RECURSIVE heads AS (
+    -- A loose index scan: one probe per tenant with ready runs, giving its best rank.
+    (SELECT r.tenant, r.rank FROM runpool.runs r
+     WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
+       AND (%(handlers)s::text[] IS NULL OR r.handler = ANY(%(handlers)s::text[]))
+     ORDER BY r.tenant, r.rank LIMIT 1)
     UNION ALL
-    SELECT (SELECT r.tenant FROM runpool.runs r
-            WHERE r.status = 'queued' AND NOT r.held AND r.tenant > w.tenant
-            ORDER BY r.tenant LIMIT 1)
-    FROM waiting w
-    WHERE w.tenant IS NOT NULL
+    SELECT n.tenant, n.rank
+    FROM heads h CROSS JOIN LATERAL (
+        SELECT r.tenant, r.rank FROM runpool.runs r
+        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
+          AND (%(handlers)s::text[] IS NULL OR r.handler = ANY(%(handlers)s::text[]))
+          AND r.tenant > h.tenant
+        ORDER BY r.tenant, r.rank LIMIT 1) n
+),
+best AS (
+    SELECT h.tenant
+    FROM heads h
+    JOIN runpool.tenants t ON t.tenant = h.tenant
+    WHERE coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) IS NULL
+       OR coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) > (
+            SELECT count(*) FROM runpool.runs l
+            WHERE l.tenant = t.tenant AND l.status = 'running' AND l.lease_expires_at > now())
+    ORDER BY h.rank
+    LIMIT %(limit)s
 )
 SELECT t.tenant
 FROM runpool.tenants t
-JOIN waiting w ON w.tenant = t.tenant
-WHERE coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) IS NULL
-   OR coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) > (
-        SELECT count(*) FROM runpool.runs l
-        WHERE l.tenant = t.tenant AND l.status = 'running' AND l.lease_expires_at > now())
+WHERE t.tenant IN (SELECT tenant FROM best)
 ORDER BY t.tenant
 FOR NO KEY UPDATE OF t;
 
@@ -88,6 +113,9 @@ candidates AS (
         WHERE r.tenant = cap.tenant
           AND r.status = 'queued'
           AND NOT r.held
+          AND NOT r.deferred
+          AND NOT r.paused
+          AND (%(handlers)s::text[] IS NULL OR r.handler = ANY(%(handlers)s::text[]))
           AND r.available_at <= clock_timestamp()
         ORDER BY r.rank
         LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)
@@ -114,7 +142,7 @@ claimed AS (
     FROM locked
     WHERE r.id = locked.id
     RETURNING r.id, r.tenant, r.handler, r.attempt, r.attempt_offset, r.max_attempts,
-              r.input, r.traceparent, r.created_at, r.serial_key
+              r.input, r.traceparent, r.created_at, r.serial_key, r.rank
 ),
 events AS (
     INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id)
@@ -122,22 +150,32 @@ events AS (
 )
 SELECT id, tenant, handler, attempt, attempt_offset, max_attempts, input, traceparent, created_at,
        serial_key
-FROM claimed;
+FROM claimed
+ORDER BY rank;
 
 -- name: heartbeat
 -- Renew the leases this worker still holds (fenced by attempt) and mark the worker alive;
--- returns the runs still held and whether each has a cancel request. An expired lease is not
--- held: claimers stopped counting it against the tenant's quota the moment it expired, so
--- reviving it (a worker back from a freeze) could put the tenant over its quota. The clock is
--- read at the row, after its lock, not at the statement's start.
+-- returns the runs still held and whether each has a cancel request, and, with NULL for the
+-- flag, the held runs whose row someone else has locked right now (busy: not renewed, not
+-- lost). A caller's open transaction (a cancel, say) is skipped, never waited for: one row
+-- must not stall the leases of every run of this worker. An expired lease is not held:
+-- claimers stopped counting it against the tenant's quota the moment it expired, so reviving
+-- it (a worker back from a freeze) could put the tenant over its quota. The clock is read at
+-- the row, after its lock, not at the statement's start.
 WITH held AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
+),
+free AS (
+    SELECT r.id FROM runpool.runs r
+    WHERE r.id IN (SELECT id FROM held)
+    FOR NO KEY UPDATE OF r SKIP LOCKED
 ),
 renewed AS (
     UPDATE runpool.runs r SET
         lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
     FROM held
     WHERE r.id = held.id
+      AND r.id IN (SELECT id FROM free)
       AND r.attempt = held.attempt
       AND r.status = 'running'
       AND r.lease_expires_at > clock_timestamp()
@@ -146,7 +184,17 @@ renewed AS (
 alive AS (
     UPDATE runpool.workers SET last_seen_at = now() WHERE id = %(worker_id)s
 )
-SELECT id, cancel_requested FROM renewed;
+SELECT id, cancel_requested FROM renewed
+UNION ALL
+SELECT r.id, NULL
+FROM runpool.runs r
+JOIN held ON r.id = held.id AND r.attempt = held.attempt
+WHERE r.status = 'running' AND r.id NOT IN (SELECT id FROM free);
+
+-- name: heal_serial_keys
+-- Give every headless serial key its head (0006: a release that found its key locked by a
+-- caller's open transaction leaves the key to this sweep).
+SELECT runpool.heal_serial_keys();
 
 -- name: defer_serial_release
 -- Until lock_ended_serial_keys, this transaction releases the serial keys it ends itself, in
@@ -155,12 +203,14 @@ SELECT id, cancel_requested FROM renewed;
 SELECT set_config('runpool.release', pg_current_xact_id()::text, true);
 
 -- name: lock_ended_serial_keys
--- Lock each serial key whose head this transaction ended (the rows it wrote last: xmin), in
--- key order so that two writers never deadlock; then the trigger is in charge again. The lock
+-- Lock each serial key whose head this transaction ended (the rows it wrote last: xmin); then
+-- the trigger is in charge again. Try-locks (0006): a key locked by a caller's open
+-- transaction (a serial-key enqueue) is not waited for, its release is left to
+-- heal_serial_keys, so one key can never hold the outcomes of a whole batch hostage. The lock
 -- is 0002's _lock_serial_key, spelled out (the worker role may not call it; see 0005).
 SELECT set_config('runpool.release', '', true), (
-    SELECT count(pg_advisory_xact_lock(hashtextextended(k.tenant || chr(31) || k.serial_key,
-                                                        7370)))
+    SELECT count(*) FILTER (WHERE pg_try_advisory_xact_lock(
+               hashtextextended(k.tenant || chr(31) || k.serial_key, 7370)))
     FROM (SELECT DISTINCT r.tenant, r.serial_key
           FROM runpool.runs r
           WHERE r.id = ANY(%(ids)s::uuid[])
@@ -171,8 +221,8 @@ SELECT set_config('runpool.release', '', true), (
 ) AS locked;
 
 -- name: release_serial_keys
--- Release the next waiting run of each of those keys: a statement of its own, after the
--- locks, so it sees every enqueue committed before they were granted. FOR UPDATE, as in the
+-- Release the next waiting run of each of those keys that it locked: a statement of its own,
+-- after the locks, so it sees every enqueue committed before they were granted. FOR UPDATE, as in the
 -- trigger: a waiting run being cancelled meanwhile is passed over once its cancel commits.
 UPDATE runpool.runs r SET held = false
 WHERE r.held AND r.id IN (
@@ -185,6 +235,8 @@ WHERE r.held AND r.id IN (
             AND e.serial_key IS NOT NULL
             AND e.status IN ('succeeded', 'failed', 'cancelled')
             AND e.xmin = pg_current_xact_id()::xid) k
+    -- Only the keys this transaction holds (a held advisory lock is granted again at once).
+    WHERE pg_try_advisory_xact_lock(hashtextextended(k.tenant || chr(31) || k.serial_key, 7370))
 );
 
 -- name: finish_runs
@@ -217,6 +269,8 @@ done AS (
         finished_at = CASE WHEN d.status = 'queued' THEN NULL ELSE now() END,
         available_at = CASE WHEN d.status = 'queued'
                             THEN now() + d.delay * interval '1 second' ELSE r.available_at END,
+        -- A backoff keeps the run out of the claim's index until promote_due.
+        deferred = d.status = 'queued' AND d.delay > 0,
         -- A retry is a new arrival: it ages from the end of its backoff.
         rank = CASE WHEN d.status = 'queued'
                     THEN extract(epoch FROM now()) + d.delay
@@ -246,7 +300,8 @@ released AS (
         finished_at = CASE WHEN r.cancel_requested_at IS NOT NULL THEN now() END,
         attempt_offset = r.attempt_offset + 1,
         lease_expires_at = NULL,
-        available_at = now()
+        available_at = now(),
+        deferred = false
     FROM held
     WHERE r.id = held.id AND r.attempt = held.attempt AND r.status = 'running'
     RETURNING r.id, r.attempt, r.status
@@ -260,9 +315,9 @@ events AS (
 SELECT count(*) AS released, pg_notify('runpool_wakeup', '') AS rang FROM released;
 
 -- name: register_worker
--- Announce a worker process; also applies the pool settings its operator set explicitly.
-INSERT INTO runpool.workers (id, host, pid, concurrency)
-VALUES (%(worker_id)s, %(host)s, %(pid)s, %(concurrency)s);
+-- Announce a worker process and the handlers it serves (explain_run reads them).
+INSERT INTO runpool.workers (id, host, pid, concurrency, handlers)
+VALUES (%(worker_id)s, %(host)s, %(pid)s, %(concurrency)s, %(handlers)s);
 
 -- name: update_config
 -- Apply pool-wide settings given explicitly to this pool (NULL leaves a value unchanged).

@@ -144,7 +144,7 @@ class Worker:
             await conn.execute(
                 QUERIES["register_worker"],
                 {"worker_id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
-                 "concurrency": s.concurrency},
+                 "concurrency": s.concurrency, "handlers": self.app.names},
             )
             await conn.execute(
                 QUERIES["update_config"],
@@ -216,7 +216,7 @@ class Worker:
         if reap:
             self._last_reap = now
         return {"worker_id": self.id, "lease_seconds": self.settings.lease_seconds,
-                "touch": touch, "reap_expired": reap}
+                "touch": touch, "reap_expired": reap, "handlers": self.app.names}
 
     async def _claim(self, limit: int) -> list[tuple[ClaimedRun, float]]:
         """Claimed runs, each with the local time the claim was sent: the lease started no
@@ -388,17 +388,24 @@ class Worker:
     # -- leases ------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        interval = self.settings.heartbeat_seconds
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self._beat()
-                interval = self.settings.heartbeat_seconds
-            except (psycopg.OperationalError, TimeoutError) as exc:
-                logger.warning("heartbeat failed: %r", exc,
-                               extra={"action": "heartbeat_failed", **self._log})
-                # Retry sooner, so a short outage costs no lease.
-                interval = min(1.0, self.settings.heartbeat_seconds)
+        # A connection of its own: with every pooled connection busy writing checkpoints (or
+        # waiting for one), a heartbeat queued behind them would cost leases.
+        beat_pool = await open_pool(self.dsn, size=1, name=f"runpool-beat-{os.getpid()}")
+        try:
+            interval = self.settings.heartbeat_seconds
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await self._beat(beat_pool)
+                    await self._heal(beat_pool)
+                    interval = self.settings.heartbeat_seconds
+                except (psycopg.OperationalError, TimeoutError) as exc:
+                    logger.warning("heartbeat failed: %r", exc,
+                                   extra={"action": "heartbeat_failed", **self._log})
+                    # Retry sooner, so a short outage costs no lease.
+                    interval = min(1.0, self.settings.heartbeat_seconds)
+        finally:
+            await beat_pool.close()
 
     async def _lease_watchdog(self) -> None:
         """Abandon runs whose lease may have run out, on the local clock alone: a heartbeat
@@ -408,15 +415,14 @@ class Worker:
             await asyncio.sleep(min(0.5, self.settings.heartbeat_seconds / 2))
             self._abandon_expired()
 
-    async def _beat(self) -> None:
-        assert self._pool is not None
+    async def _beat(self, pool: AsyncConnectionPool) -> None:
         # A cancelled or draining run may have a thread still running: its lease is renewed
         # until the thread returns (or the worker exits with it).
         slots = [s for s in self.slots.values() if s.stop_reason != "lease_lost"]
         if not slots:
             return  # an idle worker shows it is alive through its polls
         sent = time.monotonic()
-        async with bounded(self._pool, self.settings.heartbeat_seconds) as conn:
+        async with bounded(pool, self.settings.heartbeat_seconds) as conn:
             cur = await conn.execute(QUERIES["heartbeat"], {
                 "ids": [s.claimed.id for s in slots],
                 "attempts": [s.claimed.attempt for s in slots],
@@ -427,11 +433,29 @@ class Worker:
         self._last_touch = sent
         for slot in slots:
             if slot.claimed.id in held:
+                cancel = held[slot.claimed.id]
+                if cancel is None:
+                    # Busy: someone holds the row (an API session's open cancel, say). The
+                    # lease is neither renewed nor lost; the next beat tries again, and the
+                    # watchdog still stops the run if its lease runs out meanwhile.
+                    logger.debug("lease of run %s not renewed: its row is locked",
+                                 slot.claimed.id, extra={"action": "lease_busy", **slot.extra})
+                    continue
                 slot.deadline = sent + self.settings.lease_seconds
-                if held[slot.claimed.id]:
+                if cancel:
                     self.cancels.cancel(slot)
             elif not slot.finishing and self.slots.get(slot.claimed.id) is slot:
                 self._abandon(slot, "the database no longer shows this attempt's lease")
+
+    async def _heal(self, pool: AsyncConnectionPool) -> None:
+        """Give headless serial keys their head (a release that found its key locked by a
+        caller's open transaction left the key to this sweep)."""
+        async with bounded(pool, self.settings.heartbeat_seconds) as conn:
+            cur = await conn.execute(QUERIES["heal_serial_keys"])
+            row = await cur.fetchone()
+        if row and row[0]:
+            logger.info("released the next run of %d headless serial keys", row[0],
+                        extra={"action": "serial_keys_healed", **self._log})
 
     def _abandon_expired(self) -> None:
         now = time.monotonic()

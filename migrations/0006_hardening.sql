@@ -1,0 +1,510 @@
+-- 0006_hardening: no tenant, caller or deployment can break the pool (issue 11, SQL side).
+-- pg_catalog first in every search_path; grants trimmed to what the code uses; nothing a caller
+-- can set changes what a trigger does; the serial release never waits on a caller's key lock
+-- and a self-healing sweep gives a headless key its head; runs that cannot start now (scheduled
+-- for later, or of a paused tenant) stay out of the claim's index; pools claim only the
+-- handlers they serve; tenant-scoped retry_run and explain_run.
+
+-- Runs that wait for their time (run_at, retry backoff): out of the claim's index until due.
+ALTER TABLE runpool.runs ADD COLUMN deferred boolean NOT NULL DEFAULT false;
+-- Runs of a tenant whose own quota is 0: out of the claim's index until it is raised.
+ALTER TABLE runpool.runs ADD COLUMN paused boolean NOT NULL DEFAULT false;
+-- The handlers a pool serves (NULL: an older pool, taken to serve every handler).
+ALTER TABLE runpool.workers ADD COLUMN handlers text[];
+
+UPDATE runpool.runs SET deferred = true WHERE status = 'queued' AND available_at > now();
+UPDATE runpool.runs r SET paused = true
+FROM runpool.tenants t
+WHERE t.tenant = r.tenant AND t.max_running = 0 AND r.status IN ('queued', 'running');
+
+-- The queue: each tenant's runs that can start now, in claim order.
+CREATE INDEX runs_ready ON runpool.runs (tenant, rank)
+    WHERE status = 'queued' AND NOT held AND NOT deferred AND NOT paused;
+DROP INDEX runpool.runs_queue;
+-- Deferred runs by the time they become due (promoted by queries.sql promote_due).
+CREATE INDEX runs_deferred ON runpool.runs (available_at) WHERE status = 'queued' AND deferred;
+-- Paused runs per tenant (unpaused by set_tenant_quota, re-checked by heal_serial_keys).
+CREATE INDEX runs_paused ON runpool.runs (tenant) WHERE paused AND status IN ('queued', 'running');
+
+-- Privileges: a role other than the owner that may create objects in a schema of the
+-- search_path could shadow a pg_catalog function; pg_catalog first closes that for good.
+ALTER FUNCTION runpool._lock_serial_key(text, text)
+    SET search_path = pg_catalog, runpool, pg_temp;
+
+-- The release of a key's next run when its head ends (see 0005). It never waits for the key's
+-- lock: a caller's open transaction that enqueued on the key holds it, and a reaper or an
+-- outcome writer stuck behind it would stall every run it covers. A key it could not lock,
+-- or a release under a snapshot older than the lock (any isolation but read committed), is
+-- left headless for heal_serial_keys, which gives it its head within a heartbeat.
+CREATE OR REPLACE FUNCTION runpool._serial_key_ended() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed'
+       OR NOT pg_try_advisory_xact_lock(hashtextextended(NEW.tenant || chr(31) || NEW.serial_key,
+                                                         7370)) THEN
+        RETURN NULL;
+    END IF;
+    UPDATE runpool.runs r SET held = false
+    WHERE r.id = (SELECT w.id FROM runpool.runs w
+                  WHERE w.tenant = NEW.tenant AND w.serial_key = NEW.serial_key AND w.held
+                  ORDER BY w.serial_order LIMIT 1 FOR UPDATE)
+      AND r.held;
+    IF FOUND AND current_setting('runpool.session', true) IS DISTINCT FROM 'worker' THEN
+        PERFORM pg_notify('runpool_wakeup', '');
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Give every headless serial key its head: a key with held runs and none queued or running
+-- unheld gets its first held run released. Keys whose lock is taken (an enqueue in a caller's
+-- open transaction) are left for the next sweep. Also unpauses runs whose tenant is no longer
+-- paused (an enqueue racing set_tenant_quota may have read the old quota). Read committed
+-- only: each check must see everything committed before its key's lock was granted.
+CREATE FUNCTION runpool.heal_serial_keys() RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET runpool.release = ''
+AS $$
+DECLARE
+    k record;
+    healed integer := 0;
+    one integer;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'runpool.heal_serial_keys: needs READ COMMITTED, not %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+    UPDATE runpool.runs r SET paused = false
+    WHERE r.paused AND r.status IN ('queued', 'running')
+      AND NOT EXISTS (SELECT 1 FROM runpool.tenants t
+                      WHERE t.tenant = r.tenant AND t.max_running = 0);
+    FOR k IN
+        WITH RECURSIVE keys AS (
+            -- A loose index scan: one probe per key with held runs.
+            (SELECT h.tenant, h.serial_key FROM runpool.runs h WHERE h.held
+             ORDER BY h.tenant, h.serial_key LIMIT 1)
+            UNION ALL
+            SELECT n.tenant, n.serial_key
+            FROM keys p CROSS JOIN LATERAL (
+                SELECT h.tenant, h.serial_key FROM runpool.runs h
+                WHERE h.held AND (h.tenant, h.serial_key) > (p.tenant, p.serial_key)
+                ORDER BY h.tenant, h.serial_key LIMIT 1) n
+        )
+        SELECT keys.tenant, keys.serial_key FROM keys
+        WHERE NOT EXISTS (SELECT 1 FROM runpool.runs a
+                          WHERE a.tenant = keys.tenant AND a.serial_key = keys.serial_key
+                            AND a.status IN ('queued', 'running') AND NOT a.held)
+    LOOP
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock(
+            hashtextextended(k.tenant || chr(31) || k.serial_key, 7370));
+        -- A statement of its own, after the lock: it sees every decision made before it.
+        -- SKIP LOCKED: a first waiting run being cancelled right now is left to the next sweep.
+        UPDATE runpool.runs r SET held = false
+        WHERE r.id = (SELECT w.id FROM runpool.runs w
+                      WHERE w.tenant = k.tenant AND w.serial_key = k.serial_key AND w.held
+                      ORDER BY w.serial_order LIMIT 1 FOR UPDATE SKIP LOCKED)
+          AND r.held
+          AND NOT EXISTS (SELECT 1 FROM runpool.runs a
+                          WHERE a.tenant = k.tenant AND a.serial_key = k.serial_key
+                            AND a.status IN ('queued', 'running') AND NOT a.held);
+        GET DIAGNOSTICS one = ROW_COUNT;
+        healed := healed + one;
+    END LOOP;
+    IF healed > 0 THEN
+        PERFORM pg_notify('runpool_wakeup', '');
+    END IF;
+    RETURN healed;
+END
+$$;
+
+-- Enqueue one run (see 0002). Changes: pg_catalog first; run_at must be finite and at most
+-- ten years ahead; a scheduled run is deferred and a paused tenant's run paused (both out of
+-- the claim's index); a serial-key enqueue under an isolation level other than read committed
+-- (whose snapshot may predate the key's lock) always waits held and heal_serial_keys releases
+-- it if its key has no head: never two heads, never stuck.
+CREATE OR REPLACE FUNCTION runpool.enqueue(
+    tenant text,
+    handler text,
+    input jsonb DEFAULT '{}',
+    priority integer DEFAULT 0,
+    idempotency_key text DEFAULT NULL,
+    run_at timestamptz DEFAULT NULL,
+    max_attempts integer DEFAULT NULL,
+    traceparent text DEFAULT NULL,
+    serial_key text DEFAULT NULL
+) RETURNS uuid
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    cfg runpool.config;
+    -- clock_timestamp, not now(): runs enqueued in one transaction keep their order.
+    available timestamptz;
+    new_id uuid;
+    waits boolean := false;
+    position bigint;
+    is_paused boolean;
+BEGIN
+    IF enqueue.tenant IS NULL OR length(enqueue.tenant) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'runpool.enqueue: tenant must be 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.handler IS NULL OR length(enqueue.handler) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'runpool.enqueue: handler must be 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.priority IS NULL OR enqueue.priority NOT BETWEEN -100 AND 100 THEN
+        RAISE EXCEPTION 'runpool.enqueue: priority must be between -100 and 100, got %',
+            coalesce(enqueue.priority::text, 'NULL') USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.max_attempts IS NOT NULL AND enqueue.max_attempts NOT BETWEEN 1 AND 1000 THEN
+        RAISE EXCEPTION 'runpool.enqueue: max_attempts must be between 1 and 1000, got %',
+            enqueue.max_attempts USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.idempotency_key IS NOT NULL AND length(enqueue.idempotency_key) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'runpool.enqueue: idempotency_key must be 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.serial_key IS NOT NULL AND length(enqueue.serial_key) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'runpool.enqueue: serial_key must be 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.traceparent IS NOT NULL AND length(enqueue.traceparent) > 128 THEN
+        RAISE EXCEPTION 'runpool.enqueue: traceparent is longer than 128 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- 'infinity' would make a run that never starts yet is kept forever; a date centuries
+    -- away is a unit mistake (milliseconds taken for seconds), not a plan.
+    IF enqueue.run_at IS NOT NULL AND (NOT isfinite(enqueue.run_at)
+                                       OR enqueue.run_at > clock_timestamp() + interval '10 years') THEN
+        RAISE EXCEPTION 'runpool.enqueue: run_at must be a finite time at most 10 years ahead, got %',
+            enqueue.run_at USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO cfg FROM runpool.config;
+    IF octet_length(coalesce(enqueue.input, '{}')::text) > cfg.max_input_bytes THEN
+        RAISE EXCEPTION 'runpool.enqueue: input is % bytes, over the limit of % bytes',
+            octet_length(enqueue.input::text), cfg.max_input_bytes
+            USING ERRCODE = 'program_limit_exceeded';
+    END IF;
+
+    IF enqueue.serial_key IS NOT NULL THEN
+        -- Under the key's lock, and in statements of their own: the check below sees every
+        -- run of the key committed before the lock was granted (read committed only).
+        PERFORM runpool._lock_serial_key(enqueue.tenant, enqueue.serial_key);
+        position := nextval('runpool.serial_order');
+        waits := current_setting('transaction_isolation') <> 'read committed'
+                 OR EXISTS (SELECT 1 FROM runpool.runs r
+                            WHERE r.tenant = enqueue.tenant AND r.serial_key = enqueue.serial_key
+                              AND r.status IN ('queued', 'running'));
+    END IF;
+
+    INSERT INTO runpool.tenants (tenant) VALUES (enqueue.tenant) ON CONFLICT DO NOTHING;
+    is_paused := EXISTS (SELECT 1 FROM runpool.tenants t
+                         WHERE t.tenant = enqueue.tenant AND t.max_running = 0);
+    available := greatest(coalesce(enqueue.run_at, clock_timestamp()), clock_timestamp());
+    INSERT INTO runpool.runs AS r (
+        tenant, handler, input, priority, idempotency_key, available_at, rank,
+        max_attempts, traceparent, serial_key, serial_order, held, deferred, paused
+    ) VALUES (
+        enqueue.tenant, enqueue.handler, coalesce(enqueue.input, '{}'), enqueue.priority,
+        enqueue.idempotency_key, available,
+        extract(epoch FROM available) - enqueue.priority * cfg.aging_seconds,
+        coalesce(enqueue.max_attempts, cfg.default_max_attempts), enqueue.traceparent,
+        enqueue.serial_key, position, waits,
+        coalesce(enqueue.run_at > clock_timestamp(), false), is_paused
+    )
+    ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING r.id INTO new_id;
+
+    IF new_id IS NULL THEN
+        -- A concurrent or earlier enqueue won; under READ COMMITTED this statement sees it.
+        SELECT r.id INTO new_id FROM runpool.runs r
+        WHERE r.tenant = enqueue.tenant AND r.idempotency_key = enqueue.idempotency_key;
+        RETURN new_id;
+    END IF;
+
+    INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
+    VALUES (new_id, 'enqueued', 0, CASE WHEN waits
+        THEN jsonb_build_object('held_by_serial_key', enqueue.serial_key) END);
+    PERFORM pg_notify('runpool_wakeup', '');
+    RETURN new_id;
+END
+$$;
+
+-- Cancel a run (see 0002). Changes: another tenant's run is refused before its row is locked
+-- (a refused cancel in a caller's open transaction used to keep the lock and stall the
+-- heartbeat); runs with the serial release of a caller's settings reset.
+CREATE OR REPLACE FUNCTION runpool.cancel_run(run_id uuid, reason text DEFAULT NULL,
+                                              tenant text DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET runpool.release = ''
+AS $$
+#variable_conflict use_column
+DECLARE
+    run runpool.runs;
+BEGIN
+    IF cancel_run.reason IS NOT NULL AND length(cancel_run.reason) > 2000 THEN
+        RAISE EXCEPTION 'runpool.cancel_run: reason is longer than 2000 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- A run's tenant never changes, so checking it before the lock is exact. Another tenant's
+    -- run answers exactly like a missing one: no existence leak.
+    IF cancel_run.tenant IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM runpool.runs r
+            WHERE r.id = cancel_run.run_id AND r.tenant = cancel_run.tenant) THEN
+        RETURN NULL;
+    END IF;
+    SELECT * INTO run FROM runpool.runs r WHERE r.id = cancel_run.run_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF run.status = 'queued' THEN
+        UPDATE runpool.runs r SET
+            status = 'cancelled', finished_at = now(), held = false,
+            cancel_requested_at = now(), cancel_reason = cancel_run.reason
+        WHERE r.id = run.id;
+        INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
+        VALUES (run.id, 'cancelled', run.attempt, jsonb_build_object('reason', cancel_run.reason));
+        RETURN 'cancelled';
+    ELSIF run.status = 'running' THEN
+        IF run.cancel_requested_at IS NULL THEN
+            UPDATE runpool.runs r SET cancel_requested_at = now(), cancel_reason = cancel_run.reason
+            WHERE r.id = run.id;
+            INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
+            VALUES (run.id, 'cancel_requested', run.attempt, run.worker_id,
+                    jsonb_build_object('reason', cancel_run.reason));
+        END IF;
+        -- Ids only: the worker re-reads the flag, so a forged notification is harmless.
+        PERFORM pg_notify('runpool_cancel', run.id::text);
+        RETURN 'cancelling';
+    END IF;
+    RETURN run.status;
+END
+$$;
+
+-- Retry a failed or cancelled run (see 0002). Changes: pg_catalog first, caller's settings
+-- reset, the pause flag recomputed, and under another isolation than read committed a keyed
+-- run rejoins its line held (heal_serial_keys releases it if its key has no head).
+CREATE OR REPLACE FUNCTION runpool.retry_run(run_id uuid)
+RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET runpool.release = ''
+AS $$
+#variable_conflict use_column
+DECLARE
+    run runpool.runs;
+    step double precision;
+    waits boolean := false;
+    position bigint;
+BEGIN
+    SELECT * INTO run FROM runpool.runs r WHERE r.id = retry_run.run_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF run.status NOT IN ('failed', 'cancelled') THEN
+        RETURN run.status;
+    END IF;
+    IF run.serial_key IS NOT NULL THEN
+        PERFORM runpool._lock_serial_key(run.tenant, run.serial_key);
+        position := nextval('runpool.serial_order');
+        waits := current_setting('transaction_isolation') <> 'read committed'
+                 OR EXISTS (SELECT 1 FROM runpool.runs r
+                            WHERE r.tenant = run.tenant AND r.serial_key = run.serial_key
+                              AND r.status IN ('queued', 'running') AND r.id <> run.id);
+    END IF;
+    SELECT aging_seconds INTO step FROM runpool.config;
+    UPDATE runpool.runs r SET
+        status = 'queued', attempt_offset = r.attempt, available_at = clock_timestamp(),
+        rank = extract(epoch FROM clock_timestamp()) - r.priority * step,
+        finished_at = NULL, lease_expires_at = NULL, worker_id = NULL,
+        cancel_requested_at = NULL, cancel_reason = NULL,
+        serial_order = coalesce(position, r.serial_order), held = waits, deferred = false,
+        paused = EXISTS (SELECT 1 FROM runpool.tenants t
+                         WHERE t.tenant = r.tenant AND t.max_running = 0)
+    WHERE r.id = run.id;
+    INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
+    VALUES (run.id, 'retried', run.attempt, jsonb_build_object('from', run.status));
+    PERFORM pg_notify('runpool_wakeup', '');
+    RETURN 'queued';
+END
+$$;
+
+-- The tenant-scoped retry: another tenant's run answers NULL, exactly like a missing one.
+CREATE FUNCTION runpool.retry_run(run_id uuid, tenant text)
+RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET runpool.release = ''
+AS $$
+#variable_conflict use_column
+BEGIN
+    IF retry_run.tenant IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM runpool.runs r
+            WHERE r.id = retry_run.run_id AND r.tenant = retry_run.tenant) THEN
+        RETURN NULL;
+    END IF;
+    RETURN runpool.retry_run(retry_run.run_id);
+END
+$$;
+
+-- Set a tenant's quota (see 0002). Changes: pg_catalog first; its waiting runs leave the
+-- claim's index while the quota is 0 and come back when it is raised.
+CREATE OR REPLACE FUNCTION runpool.set_tenant_quota(tenant text, max_running integer)
+RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
+    IF set_tenant_quota.tenant IS NULL OR length(set_tenant_quota.tenant) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'runpool.set_tenant_quota: tenant must be 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF set_tenant_quota.max_running IS NOT NULL
+       AND set_tenant_quota.max_running NOT BETWEEN 0 AND 1000000 THEN
+        RAISE EXCEPTION 'runpool.set_tenant_quota: max_running must be between 0 and 1000000, got %',
+            set_tenant_quota.max_running USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO runpool.tenants AS t (tenant, max_running)
+    VALUES (set_tenant_quota.tenant, set_tenant_quota.max_running)
+    ON CONFLICT (tenant) DO UPDATE SET max_running = excluded.max_running;
+    UPDATE runpool.runs r SET paused = (set_tenant_quota.max_running IS NOT DISTINCT FROM 0)
+    WHERE r.tenant = set_tenant_quota.tenant AND r.status IN ('queued', 'running')
+      AND r.paused IS DISTINCT FROM (set_tenant_quota.max_running IS NOT DISTINCT FROM 0);
+    -- A raised quota frees capacity that idle workers should use now.
+    PERFORM pg_notify('runpool_wakeup', '');
+END
+$$;
+
+-- Describe a run (see 0003). Changes: pg_catalog first; a queued run whose handler no live
+-- pool serves says so, and so does a run scheduled for later.
+CREATE OR REPLACE FUNCTION runpool.explain_run(run_id uuid)
+RETURNS jsonb
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    run runpool.runs;
+    quota integer;
+    live integer;
+    ahead bigint;
+    blocker uuid;
+    served boolean;
+    reasons jsonb := '[]';
+    doc jsonb;
+BEGIN
+    SELECT * INTO run FROM runpool.runs r WHERE r.id = explain_run.run_id;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    doc := jsonb_build_object(
+        'run_id', run.id, 'tenant', run.tenant, 'handler', run.handler, 'status', run.status,
+        'priority', run.priority, 'attempt', run.attempt, 'max_attempts', run.max_attempts,
+        'attempts_left', run.max_attempts - (run.attempt - run.attempt_offset),
+        'created_at', run.created_at, 'serial_key', run.serial_key);
+    IF run.status = 'running' THEN
+        RETURN doc || jsonb_build_object(
+            'worker_id', run.worker_id, 'started_at', run.started_at,
+            'lease_expires_at', run.lease_expires_at,
+            'lease_expired', run.lease_expires_at < now(),
+            'cancel_requested_at', run.cancel_requested_at,
+            'summary', CASE
+                WHEN run.lease_expires_at < now()
+                THEN 'lease expired: the next claim reclaims it'
+                WHEN run.cancel_requested_at IS NOT NULL THEN 'running; cancellation requested'
+                ELSE 'running' END);
+    ELSIF run.status <> 'queued' THEN
+        RETURN doc || jsonb_build_object(
+            'finished_at', run.finished_at, 'result', run.result, 'error', run.error,
+            'cancel_reason', run.cancel_reason,
+            'summary', run.status || CASE WHEN run.status = 'failed'
+                THEN ' (dead letter: runpool.retry_run replays it)' ELSE '' END);
+    END IF;
+
+    -- A live pool: not stopped, seen within the last minute (pools touch every heartbeat).
+    -- With no live pool at all nothing is served, which says nothing about this handler: NULL.
+    SELECT bool_or(w.handlers IS NULL OR run.handler = ANY(w.handlers)) INTO served
+    FROM runpool.workers w
+    WHERE w.stopped_at IS NULL AND w.last_seen_at > now() - interval '1 minute';
+    IF NOT served THEN
+        reasons := reasons || jsonb_build_array(format(
+            'no live pool serves handler %s: it waits until one does (it never fails for it)',
+            run.handler));
+    END IF;
+    SELECT coalesce(t.max_running, c.default_quota) INTO quota
+    FROM runpool.config c LEFT JOIN runpool.tenants t ON t.tenant = run.tenant;
+    SELECT count(*) INTO live FROM runpool.runs l
+    WHERE l.tenant = run.tenant AND l.status = 'running' AND l.lease_expires_at > now();
+    IF quota IS NOT NULL AND live >= quota THEN
+        reasons := reasons || jsonb_build_array(CASE WHEN quota = 0
+            THEN format('tenant %s is paused (quota 0)', run.tenant)
+            ELSE format('tenant %s at quota %s/%s', run.tenant, live, quota) END);
+    END IF;
+    IF run.held THEN
+        SELECT b.id INTO blocker FROM runpool.runs b
+        WHERE b.tenant = run.tenant AND b.serial_key = run.serial_key
+          AND b.status IN ('queued', 'running') AND NOT b.held;
+        reasons := reasons || jsonb_build_array(CASE WHEN blocker IS NULL
+            THEN format('next in line of serial key %s: released within a heartbeat',
+                        run.serial_key)
+            ELSE format('waiting for run %s of the same serial key %s', blocker,
+                        run.serial_key) END);
+    END IF;
+    IF run.available_at > now() THEN
+        reasons := reasons || jsonb_build_array(
+            format('not available until %s (scheduled or retry backoff)', run.available_at));
+    END IF;
+    -- Runs that will be claimed first: this tenant's better-ranked runs, and other tenants'
+    -- better-ranked available runs. Capped so that explaining never costs a full scan.
+    SELECT count(*) INTO ahead FROM (
+        SELECT 1 FROM runpool.runs o
+        WHERE o.status = 'queued' AND o.rank < run.rank AND o.available_at <= now()
+        LIMIT 10000) x;
+    RETURN doc || jsonb_build_object(
+        'available_at', run.available_at, 'rank', run.rank,
+        'tenant_running', live, 'tenant_quota', quota, 'handler_served', served,
+        'runs_ahead', ahead, 'runs_ahead_capped', ahead >= 10000,
+        'held_by', reasons,
+        'summary', CASE WHEN jsonb_array_length(reasons) = 0
+            THEN format('waiting for a free slot; %s%s runs ahead of it', ahead,
+                        CASE WHEN ahead >= 10000 THEN '+' ELSE '' END)
+            ELSE reasons ->> 0 END);
+END
+$$;
+
+-- The tenant-scoped explain: another tenant's run answers NULL, exactly like a missing one.
+CREATE FUNCTION runpool.explain_run(run_id uuid, tenant text)
+RETURNS jsonb
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
+    IF explain_run.tenant IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM runpool.runs r
+            WHERE r.id = explain_run.run_id AND r.tenant = explain_run.tenant) THEN
+        RETURN NULL;
+    END IF;
+    RETURN runpool.explain_run(explain_run.run_id);
+END
+$$;
+
+REVOKE ALL ON FUNCTION
+    runpool.heal_serial_keys(),
+    runpool.retry_run(uuid, text),
+    runpool.explain_run(uuid, text)
+FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION runpool.retry_run(uuid, text), runpool.explain_run(uuid, text)
+TO runpool_api, runpool_worker;
+GRANT EXECUTE ON FUNCTION runpool.heal_serial_keys() TO runpool_worker;
+
+-- The worker role gets what the worker's statements use and nothing more: no DELETE anywhere,
+-- no writes to the migration record, no direct inserts of runs or tenants (enqueue and
+-- set_tenant_quota are the way in), no sequence (enqueue draws serial_order as the owner).
+REVOKE ALL ON ALL TABLES IN SCHEMA runpool FROM runpool_worker;
+REVOKE ALL ON SEQUENCE runpool.serial_order FROM runpool_worker;
+GRANT SELECT ON ALL TABLES IN SCHEMA runpool TO runpool_worker;
+-- UPDATE on tenants: the claim locks tenants FOR NO KEY UPDATE.
+GRANT UPDATE ON runpool.runs, runpool.tenants, runpool.config TO runpool_worker;
+GRANT INSERT ON runpool.run_events TO runpool_worker;
+GRANT INSERT, UPDATE ON runpool.workers, runpool.messages, runpool.tool_calls TO runpool_worker;
