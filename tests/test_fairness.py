@@ -125,7 +125,9 @@ def _claim_plans(conn: psycopg.Connection, depth: int) -> list[dict[str, Any]]:
     plans = []
     claim_params = {"tenants": ["flood", *tenants], "limit": 10, "worker_id": uuid.uuid4(),
                     "lease_seconds": 30, "handlers": None}
-    for query, params in ((QUERIES["lock_tenants"], {"handlers": None, "limit": 10}), (QUERIES["claim_runs"], claim_params)):
+    lock_params = {"handlers": None, "limit": 10}
+    for query, params in ((QUERIES["lock_tenants"], lock_params),
+                          (QUERIES["claim_runs"], claim_params)):
         with conn.transaction():  # EXPLAIN ANALYZE really claims: undo it
             plans.append(_explain(conn, query, params))
             raise psycopg.Rollback()

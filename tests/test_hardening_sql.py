@@ -1,0 +1,337 @@
+"""Issue 11, SQL side: no tenant, caller or deployment can break the pool.
+
+Each test names the defect it covers; every one of them failed on the code before 0006."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import runpool
+from runpool.claiming import ClaimedRun, claim
+from runpool.db import aconnect, connect
+from runpool.errors import UnsafeSchema
+from runpool.migrate import migrate
+from runpool.queries import QUERIES
+from tests.helpers import (
+    assert_invariants,
+    finish_params,
+    run_row,
+    running_pool,
+    scalar,
+    wait_for,
+)
+
+# Keys whose unfinished runs do not have exactly one head (none: stuck; two: run at once).
+BAD_KEYS = """
+SELECT tenant, serial_key, count(*) FILTER (WHERE NOT held) FROM runpool.runs
+WHERE serial_key IS NOT NULL AND status IN ('queued', 'running')
+GROUP BY tenant, serial_key HAVING count(*) FILTER (WHERE NOT held) <> 1
+"""
+
+
+def _claim(dsn: str, limit: int = 10, **options: Any) -> list[ClaimedRun]:
+    async def main() -> list[ClaimedRun]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            return await claim(c, worker_id=uuid.uuid4(), limit=limit, lease_seconds=30,
+                               **options)
+    return asyncio.run(main())
+
+
+def _beat(conn: psycopg.Connection, runs: list[ClaimedRun]) -> list[tuple[Any, ...]]:
+    return conn.execute(QUERIES["heartbeat"], {
+        "ids": [r.id for r in runs], "attempts": [r.attempt for r in runs],
+        "lease_seconds": 30, "worker_id": uuid.uuid4()}).fetchall()
+
+
+def _bounded(conn: psycopg.Connection) -> None:
+    # A statement that waits on a caller's lock fails here instead of hanging the test.
+    conn.execute("SET statement_timeout = '3s'")
+
+
+# -- defect 2: a refused cancel holds no lock; the heartbeat skips rows a caller holds --------
+
+def test_defect2_cancel__another_tenants_run_is_refused_before_its_row_is_locked(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    (claimed,) = _claim(dsn)
+    with connect(dsn) as caller, connect(dsn, autocommit=True) as worker:
+        _bounded(worker)
+        assert scalar(caller, "SELECT runpool.cancel_run(%s, 'x', 'evil')", run_id) is None
+        # The caller's transaction is still open: the heartbeat must not wait for it.
+        assert _beat(worker, [claimed]) == [(run_id, False)]
+        caller.rollback()
+
+
+def test_defect2_heartbeat__a_row_a_caller_holds_is_busy_not_lost_and_others_renew(
+        conn: psycopg.Connection, dsn: str) -> None:
+    a = runpool.enqueue(conn, "acme", "noop")
+    b = runpool.enqueue(conn, "acme", "noop")
+    claimed = _claim(dsn)
+    with connect(dsn) as caller, connect(dsn, autocommit=True) as worker:
+        _bounded(worker)
+        assert scalar(caller, "SELECT runpool.cancel_run(%s, 'x', 'acme')", a) == "cancelling"
+        # a: busy (NULL), neither renewed nor reported lost; b: renewed.
+        assert sorted(_beat(worker, claimed), key=lambda r: r[0] != a) == [
+            (a, None), (b, False)]
+        caller.commit()
+        assert sorted(_beat(worker, claimed), key=lambda r: r[0] != a) == [
+            (a, True), (b, False)]
+    assert run_row(conn, b)["status"] == "running"
+
+
+# -- defect 3: a caller's open serial-key enqueue does not hold the outcome writer ------------
+
+def test_defect3_release__does_not_wait_for_a_callers_key_lock_and_the_sweep_heals(
+        conn: psycopg.Connection, dsn: str) -> None:
+    head = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    other = runpool.enqueue(conn, "acme", "noop", serial_key="other")
+    claimed = _claim(dsn)
+    assert {c.id for c in claimed} == {head, other}
+    params = finish_params([(c.id, c.attempt) for c in claimed])
+    with connect(dsn) as caller, connect(dsn) as writer:
+        _bounded(writer)
+        late = runpool.enqueue(caller, "acme", "noop", serial_key="k")  # holds k's lock
+        # The outcome writer's batched path: it must finish both runs now.
+        writer.execute(QUERIES["defer_serial_release"])
+        assert len(writer.execute(QUERIES["finish_runs"], params).fetchall()) == 2
+        writer.execute(QUERIES["lock_ended_serial_keys"], params)
+        writer.execute(QUERIES["release_serial_keys"], params)
+        writer.commit()
+        caller.commit()
+    # k's release was left to the sweep: headless until it runs, then exactly one head.
+    assert run_row(conn, late)["held"]
+    assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 1
+    assert not run_row(conn, late)["held"]
+    assert conn.execute(BAD_KEYS).fetchall() == []
+
+
+def test_defect3_trigger__a_reap_does_not_wait_for_a_callers_key_lock(
+        conn: psycopg.Connection, dsn: str) -> None:
+    head = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    _claim(dsn)
+    conn.execute("UPDATE runpool.runs SET lease_expires_at = now() - interval '1 s',"
+                 " attempt_offset = 0, max_attempts = 1 WHERE id = %s", (head,))
+    with connect(dsn) as caller, connect(dsn, autocommit=True) as reaper:
+        _bounded(reaper)
+        late = runpool.enqueue(caller, "acme", "noop", serial_key="k")
+        assert scalar(reaper, QUERIES["reap_expired"]) == 1  # the row trigger path
+        caller.commit()
+    assert run_row(conn, head)["status"] == "failed"
+    assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 1
+    assert not run_row(conn, late)["held"]
+
+
+# -- defect 4: other isolation levels can neither strand a key nor give it two heads ----------
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_defect4_enqueue_under_snapshot_isolation__never_two_heads_never_stuck(
+        conn: psycopg.Connection, dsn: str, isolation: str) -> None:
+    begin = sql.SQL("BEGIN ISOLATION LEVEL {}").format(sql.SQL(isolation))
+    # A tenant created after a snapshot is a serialization failure of its own (retryable).
+    conn.execute("SELECT runpool.set_tenant_quota('acme', NULL)")
+    with connect(dsn, autocommit=True) as caller:
+        # Two heads: the caller's snapshot predates a committed enqueue of the key.
+        caller.execute(begin)
+        caller.execute("SELECT 1")
+        first = runpool.enqueue(conn, "acme", "noop", serial_key="a")
+        second = runpool.enqueue(caller, "acme", "noop", serial_key="a")
+        caller.execute("COMMIT")
+        assert run_row(conn, second)["held"] and not run_row(conn, first)["held"]
+        # Stuck: the snapshot still shows a head that has ended since.
+        head = runpool.enqueue(conn, "acme", "noop", serial_key="b")
+        (claimed,) = [c for c in _claim(dsn) if c.id == head]
+        caller.execute(begin)
+        caller.execute("SELECT 1")
+        conn.execute(QUERIES["finish_runs"], finish_params([(head, claimed.attempt)]))
+        waiting = runpool.enqueue(caller, "acme", "noop", serial_key="b")
+        caller.execute("COMMIT")
+    assert run_row(conn, waiting)["held"]
+    assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 1
+    assert not run_row(conn, waiting)["held"]
+    assert conn.execute(BAD_KEYS).fetchall() == []
+
+
+def test_defect4_heal__refuses_snapshot_isolation(conn: psycopg.Connection) -> None:
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        with pytest.raises(psycopg.errors.InvalidTransactionState, match="READ COMMITTED"):
+            conn.execute("SELECT runpool.heal_serial_keys()")
+
+
+# -- defect 5: nothing a caller sets changes what the serial trigger does --------------------
+
+def test_defect5_api_session__cannot_switch_off_the_serial_release(
+        conn: psycopg.Connection, dsn: str) -> None:
+    head = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    nxt = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    with connect(dsn) as api:
+        api.execute("SET ROLE runpool_api")
+        api.execute("SELECT set_config('runpool.release', pg_current_xact_id()::text, true)")
+        api.execute("SET LOCAL runpool.session = 'worker'")
+        assert scalar(api, "SELECT runpool.cancel_run(%s)", head) == "cancelled"
+        api.commit()
+    assert not run_row(conn, nxt)["held"]
+    assert conn.execute(BAD_KEYS).fetchall() == []
+
+
+# -- defect 7: claim cost does not grow with future runs or paused tenants -------------------
+
+def _claim_blocks(conn: psycopg.Connection) -> tuple[int, list[str]]:
+    """Buffers touched by one claim's statements (rolled back), and the tenants it locked."""
+    blocks = 0
+    with conn.transaction():
+        stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
+            QUERIES["lock_tenants"])
+        plan = scalar(conn, stmt, {"handlers": None, "limit": 10})[0]["Plan"]
+        blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+        locked = [t for (t,) in conn.execute(QUERIES["lock_tenants"],
+                                              {"handlers": None, "limit": 10})]
+        stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
+            QUERIES["claim_runs"])
+        plan = scalar(conn, stmt, {"tenants": locked, "limit": 10, "handlers": None,
+                                   "worker_id": uuid.uuid4(), "lease_seconds": 30})[0]["Plan"]
+        blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+        raise psycopg.Rollback()  # EXPLAIN ANALYZE really claims: undo it
+    return blocks, locked
+
+
+def test_defect7_claim__cost_ignores_runs_scheduled_later_and_paused_tenants(
+        conn: psycopg.Connection) -> None:
+    conn.execute("SET jit = off")
+    runpool.enqueue(conn, "live", "noop")
+    conn.execute("ANALYZE runpool.runs")
+    empty, locked = _claim_blocks(conn)
+    assert locked == ["live"]
+    conn.execute("SELECT runpool.enqueue('future', 'noop', run_at => now() + interval '1 day')"
+                 " FROM generate_series(1, 5000)")
+    conn.execute("SELECT runpool.set_tenant_quota('paused' || g, 0),"
+                 " runpool.enqueue('paused' || g, 'noop') FROM generate_series(1, 500) g")
+    conn.execute("ANALYZE runpool.runs")
+    loaded, locked = _claim_blocks(conn)
+    assert locked == ["live"]  # neither the future tenant nor a paused one is locked
+    assert loaded <= empty * 1.5 + 10, (empty, loaded)
+
+
+def test_defect7_deferred__a_scheduled_run_and_a_backoff_become_claimable_when_due(
+        conn: psycopg.Connection, dsn: str) -> None:
+    soon = runpool.enqueue(conn, "acme", "noop",
+                           run_at=datetime.now(UTC) + timedelta(seconds=0.5))
+    assert run_row(conn, soon)["deferred"] and _claim(dsn) == []
+    wait_for(lambda: [c.id for c in _claim(dsn)] == [soon], what="the scheduled run claimed")
+    conn.execute("SELECT runpool.set_tenant_quota('acme', 0)")
+    paused = runpool.enqueue(conn, "acme", "noop")
+    assert run_row(conn, paused)["paused"] and _claim(dsn) == []
+    conn.execute("SELECT runpool.set_tenant_quota('acme', NULL)")
+    assert [c.id for c in _claim(dsn)] == [paused]
+
+
+# -- defect 8: a mixed fleet claims only what it serves ---------------------------------------
+
+def test_defect8_mixed_fleet__a_run_no_pool_serves_waits_and_explain_says_so(
+        conn: psycopg.Connection, dsn: str) -> None:
+    foreign = runpool.enqueue(conn, "acme", "handler_of_another_app", priority=10)
+    mine = runpool.enqueue(conn, "acme", "noop")
+    with running_pool(dsn):
+        wait_for(lambda: run_row(conn, mine)["status"] == "succeeded", what="own run done")
+        row = run_row(conn, foreign)
+        assert (row["status"], row["attempt"]) == ("queued", 0)
+        doc = scalar(conn, "SELECT runpool.explain_run(%s)", foreign)
+        assert doc["handler_served"] is False
+        assert doc["summary"].startswith("no live pool serves handler handler_of_another_app")
+    assert_invariants(conn, all_terminal=False)
+
+
+# -- defect 9: absurd timestamps are refused --------------------------------------------------
+
+@pytest.mark.parametrize("run_at", ["infinity", "-infinity", "3000-01-01"])
+def test_defect9_run_at__non_finite_or_absurd_is_refused(
+        conn: psycopg.Connection, run_at: str) -> None:
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="run_at must be a finite"):
+        conn.execute("SELECT runpool.enqueue('acme', 'noop', run_at => %s::timestamptz)",
+                     (run_at,))
+    with pytest.raises(runpool.InvalidInput, match="run_at"):
+        runpool.enqueue(conn, "acme", "noop", run_at=datetime(3000, 1, 1, tzinfo=UTC))
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 0
+
+
+# -- defect 10: privileges --------------------------------------------------------------------
+
+def test_defect10_functions__pg_catalog_comes_first_in_every_search_path(
+        conn: psycopg.Connection) -> None:
+    rows = conn.execute("""
+        SELECT p.oid::regprocedure::text, array_to_string(p.proconfig, ',')
+        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+        WHERE n.nspname = 'runpool'""").fetchall()
+    bad = [(f, c) for f, c in rows if not (c or "").startswith("search_path=pg_catalog")]
+    assert bad == []
+
+
+def test_defect10_worker_role__holds_no_delete_and_no_migration_writes(
+        conn: psycopg.Connection) -> None:
+    grants = conn.execute("""
+        SELECT table_name, privilege_type FROM information_schema.role_table_grants
+        WHERE grantee = 'runpool_worker' AND table_schema = 'runpool'
+          AND (privilege_type IN ('DELETE', 'TRUNCATE')
+               OR (table_name IN ('schema_migrations', 'tenants', 'runs')
+                   AND privilege_type = 'INSERT'))""").fetchall()
+    assert grants == []
+
+
+def test_defect10_scoped_retry_and_explain__another_tenants_run_is_null(
+        conn: psycopg.Connection) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    assert scalar(conn, "SELECT runpool.cancel_run(%s)", run_id) == "cancelled"
+    with conn.transaction():
+        conn.execute("SET LOCAL ROLE runpool_api")
+        assert scalar(conn, "SELECT runpool.explain_run(%s, 'evil')", run_id) is None
+        assert scalar(conn, "SELECT runpool.retry_run(%s, 'evil')", run_id) is None
+        assert scalar(conn, "SELECT runpool.explain_run(%s, 'acme')", run_id)["status"] == \
+            "cancelled"
+        assert scalar(conn, "SELECT runpool.retry_run(%s, 'acme')", run_id) == "queued"
+        assert scalar(conn, "SELECT runpool.retry_run(%s, 'acme')", run_id) == "queued"
+    assert scalar(conn, "SELECT runpool.explain_run(%s, 'evil')", uuid.uuid4()) is None
+
+
+def test_defect10_migrate__refuses_a_schema_others_may_create_in(empty_dsn: str) -> None:
+    with connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA runpool")
+        conn.execute("GRANT CREATE ON SCHEMA runpool TO PUBLIC")
+        with pytest.raises(UnsafeSchema, match="REVOKE CREATE"):
+            migrate(conn)
+        conn.execute("REVOKE CREATE ON SCHEMA runpool FROM PUBLIC")
+        assert migrate(conn)
+
+
+def test_defect10_a_pool_logged_in_with_only_the_worker_role_runs_everything(
+        conn: psycopg.Connection, dsn: str) -> None:
+    login = f"rp_worker_{uuid.uuid4().hex[:10]}"
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE runpool_worker").format(
+        sql.Identifier(login)))
+    # The test handlers' side tables (what a real model and real tools would have done).
+    conn.execute(sql.SQL("GRANT INSERT ON model_calls, tool_log TO {}").format(
+        sql.Identifier(login)))
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
+        params["user"] = login
+        worker_dsn = psycopg.conninfo.make_conninfo(**params)  # type: ignore[arg-type]
+        ids = [runpool.enqueue(conn, "acme", "agent", {"steps": 2}),
+               runpool.enqueue(conn, "acme", "fails"),
+               *[runpool.enqueue(conn, "acme", "noop", serial_key="k") for _ in range(3)]]
+        retried = runpool.enqueue(conn, "acme", "flaky", {"fail_times": 1})
+        with running_pool(worker_dsn):
+            wait_for(lambda: all(run_row(conn, i)["status"] in ("succeeded", "failed")
+                                 for i in [*ids, retried]), what="runs done", timeout=30)
+        assert [run_row(conn, i)["status"] for i in ids] == [
+            "succeeded", "failed", "succeeded", "succeeded", "succeeded"]
+        assert run_row(conn, retried)["attempt"] == 2
+        assert_invariants(conn)
+    finally:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(login)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(login)))
