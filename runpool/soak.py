@@ -4,8 +4,10 @@ invariant report.
 A real pool (`python -m runpool`, two workers) runs agent-like handlers against a scratch
 database through a TCP proxy, while the driver enqueues work and, at random, kills and
 freezes workers, terminates their backends, cuts and black-holes their connections, cancels
-runs, races idempotency keys and tries bad input. Then it heals everything, waits for every
-run to end and prints one JSON line: the faults injected and runpool.invariants' report.
+runs, races idempotency keys, tries bad input, enqueues poison inputs for one tenant through
+the SQL API and floods NOTIFY from a login with no privileges. Then it heals everything, waits
+for every run to end and prints one JSON line: the faults injected and runpool.invariants'
+report.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .db import connect
 from .embedded import resolve_dsn
 from .enqueue import RunSpec, enqueue, enqueue_many
 from .errors import InvalidInput, ToolOutcomeUnknown
+from .hostile import POISON_INPUTS, enqueue_raw, notify_flood, unprivileged_login
 from .invariants import EXECUTIONS_DDL, Watch, check, record_execution
 from .pool_process import pool_process, worker_pids
 from .proxy import Proxy
@@ -53,6 +56,13 @@ TENANT_QUOTAS: Final = {"t0": 2, "t1": 3, "t2": 4}
 SERIAL_KEYS: Final = [f"k{i}" for i in range(8)]
 CANCEL_BOUND: Final = 30.0
 # The longest a running run took to end after its cancel.
+# The tenant whose inputs are poison (valid jsonb the worker's decoder refuses).
+POISON_TENANT: Final = "tp"
+# How the poison-input runs ended: each must fail alone (invalid_input) or be cancelled.
+POISON_ENDINGS: Final = """
+SELECT id, status, error ->> 'reason' FROM runpool.runs WHERE id = ANY(%s)
+  AND NOT (status = 'cancelled' OR (status = 'failed' AND error ->> 'reason' = 'invalid_input'))
+"""
 SLOWEST_CANCEL: Final = """
 SELECT max(extract(epoch FROM finished_at - cancel_requested_at)) FROM runpool.runs
 WHERE status = 'cancelled' AND started_at IS NOT NULL"""
@@ -148,8 +158,12 @@ def _random_run(rng: random.Random) -> dict[str, Any]:
 class Soak:
     """The driver: one random fault or batch of work per tick."""
 
-    def __init__(self, dsn: str, proxy: Proxy, pool: Any, rng: random.Random) -> None:
+    def __init__(self, dsn: str, proxy: Proxy, pool: Any, rng: random.Random,
+                 hostile_dsn: str) -> None:
         self.dsn, self.proxy, self.pool, self.rng = dsn, proxy, pool, rng
+        # A login with no privileges: it can only connect and NOTIFY.
+        self.hostile_dsn = hostile_dsn
+        self.poison: list[uuid.UUID] = []
         self.conn = connect(dsn, autocommit=True)
         self.faults: Counter[str] = Counter()
         self.problems: list[str] = []
@@ -160,6 +174,7 @@ class Soak:
             self.enqueue_batch: 6, self.cancel_one: 2, self.kill_worker: 0.6,
             self.freeze_worker: 0.4, self.terminate_backend: 0.8, self.cut: 0.5,
             self.blackhole: 0.3, self.race_idempotency: 0.7, self.bad_input: 1,
+            self.poison_input: 0.5, self.notify_flood: 0.3,
         }
         action = self.rng.choices(list(actions), list(actions.values()))[0]
         action()
@@ -230,6 +245,27 @@ class Soak:
         self.conn.execute("SELECT runpool.cancel_run(gen_random_uuid(),"
                           " $$'); DROP TABLE runpool.runs; --$$)")
         self.faults[f"bad_input_{name}"] += 1
+
+    def poison_input(self) -> None:
+        """A tenant's input jsonb holds but the decoder refuses, through the SQL API (no
+        Python check in the way): it must fail alone, costing no worker and no neighbour."""
+        self.poison.append(enqueue_raw(self.conn, POISON_TENANT, self.rng.choice(POISON_INPUTS),
+                                       handler="agent", max_attempts=3))
+        self.faults["poison_input"] += 1
+
+    def notify_flood(self) -> None:
+        """Forged notices from a bare login: random and real run ids on the cancel channel,
+        malformed ones, and a burst of doorbells."""
+        running = [r for (r,) in self.conn.execute(
+            "SELECT id FROM runpool.runs WHERE status = 'running' LIMIT 5")]
+        notify_flood(self.hostile_dsn, cancels=self.rng.randint(1_000, 20_000), noise=500,
+                     named=running, named_each=50, wakeups=200)
+        self.faults["notify_flood"] += 1
+
+    def check_poison(self) -> None:
+        for run_id, status, reason in self.conn.execute(POISON_ENDINGS, (self.poison,)):
+            self.problems.append(f"poison-input run {run_id} ended {status} ({reason}),"
+                                 " not failed alone with invalid_input")
 
     def _count(self) -> int:
         row = self.conn.execute("SELECT count(*) FROM runpool.runs").fetchone()
@@ -302,11 +338,13 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
         os.environ[EXECUTIONS_DSN] = dsn
         started = time.monotonic()
         try:
-            with Watch(dsn) as watch, pool_process(
+            with unprivileged_login(pool_dsn) as hostile, Watch(dsn) as watch, pool_process(
                     proxy.dsn(pool_dsn), "runpool.soak:app", workers=2, concurrency=8,
                     lease_seconds=LEASE, poll_seconds=POLL, cancel_grace_seconds=CANCEL_GRACE,
                     grace_seconds=5) as pool:
-                soak = Soak(dsn, proxy, pool, rng)
+                # Named as the driver's, so the faults spare its connections too.
+                hostile_dsn = make_conninfo(hostile, application_name=DRIVER)
+                soak = Soak(dsn, proxy, pool, rng, hostile_dsn)
                 try:
                     while time.monotonic() - started < minutes * 60:
                         soak.tick()
@@ -315,6 +353,7 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
                     soak.heal()
                 drain_timeout = 240 + 60 * minutes
                 drained = _drain(soak.conn, timeout=drain_timeout)
+                soak.check_poison()
                 soak.conn.close()
         finally:
             proxy.close()
