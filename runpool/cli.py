@@ -35,7 +35,7 @@ EXPLAIN = "SELECT runpool.explain_run(%s::uuid)"
 _HELP = {
     "dsn": "PostgreSQL DSN (else DATABASE_URL, else an embedded server)",
     "app": "the handler registry to load, module:attribute",
-    "workers": "worker processes (default: CPU count)",
+    "workers": "worker processes (default: CPU count, at most 4)",
     "concurrency": "run slots per worker process",
     "lease_seconds": "lease length; heartbeats every third of it",
     "poll_seconds": "fallback poll interval when no NOTIFY arrives",

@@ -28,7 +28,9 @@ class Settings:
     # None: DATABASE_URL, else an embedded PostgreSQL in data_dir.
     dsn: str | None = None
     app: str | None = None
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    # Handlers are I/O-bound coroutines: slots, not processes, give concurrency. More than 4
+    # processes per host mostly spends connections (see the README's connection budget).
+    workers: int = field(default_factory=lambda: min(os.cpu_count() or 1, 4))
     concurrency: int = 10
     lease_seconds: float = 30.0
     poll_seconds: float = 5.0

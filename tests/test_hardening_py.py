@@ -291,3 +291,12 @@ def test_resume_of_a_long_run__20000_messages_and_calls_load_in_pages_under_a_sh
     row = run_row(conn, run_id)
     assert (row["status"], row["result"]) == ("succeeded", {
         "messages": 20_000, "calls": 20_000, "attempt": 2, "in_order": True}), row
+
+
+def test_default_workers__a_many_core_host_stays_within_the_connection_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 32)
+    settings = Settings.from_env({})
+    # workers x (pool + LISTEN): the README's 28 per host, far under max_connections (100).
+    assert settings.workers == 4
+    assert settings.workers * (settings.connections + 1) == 28
