@@ -27,10 +27,12 @@ NOISE_LOG_SECONDS: Final = 10.0
 
 
 class ClaimBudget:
-    """How many fruitless claims wake-ups may cost a worker: `burst` at once, then `rate` per
+    """How many fruitless claims wake-ups may cost a worker: `burst` in a row, then `rate` per
     second (a token bucket). Any login can NOTIFY runpool_wakeup; without a budget a flood
-    keeps every idle worker claiming back to back. A claim that finds work costs nothing, so
-    a busy pool is never slowed; a flood costs each worker `rate` empty claims per second."""
+    keeps every idle worker claiming back to back. A claim that finds work refills the budget:
+    a doorbell that led to work was worth answering, so a pool whose workers race for each
+    enqueued run (all wake, one wins) is never slowed, while a flood that never leads to work
+    costs each worker `rate` empty claims per second."""
 
     def __init__(self, *, rate: float = 10.0, burst: float = 10.0) -> None:
         self._rate = rate
@@ -47,6 +49,11 @@ class ClaimBudget:
         """Count one claim that found nothing."""
         self._refill()
         self._tokens -= 1
+
+    def found_work(self) -> None:
+        """Count a claim that found work: the budget is full again."""
+        self._tokens = self._burst
+        self._at = time.monotonic()
 
     def delay(self) -> float:
         """Seconds to wait before the next wake-up may claim (0: now)."""

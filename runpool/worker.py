@@ -187,7 +187,9 @@ class Worker:
                     backoff = min(backoff * 2, self.settings.poll_seconds)
                     continue
                 next_poll = time.monotonic() + self._poll_delay()
-                if not claimed:
+                if claimed:
+                    self._claim_budget.found_work()
+                else:
                     self._claim_budget.spend()
                 for c, sent in claimed:
                     self._start(c, sent)

@@ -16,6 +16,7 @@ import runpool
 from runpool.cancellation import EARLY_MAX
 from runpool.claiming import ClaimedRun
 from runpool.hostile import DEEP_JSON, POISON_INPUTS, enqueue_raw, notify_flood, unprivileged_login
+from runpool.listener import ClaimBudget
 from runpool.settings import Settings
 from runpool.worker import Worker
 from tests.helpers import (
@@ -300,3 +301,20 @@ def test_default_workers__a_many_core_host_stays_within_the_connection_budget(
     # workers x (pool + LISTEN): the README's 28 per host, far under max_connections (100).
     assert settings.workers == 4
     assert settings.workers * (settings.connections + 1) == 28
+
+
+def test_claim_budget__racing_workers_never_wait_but_a_flood_does() -> None:
+    # Every enqueue wakes every worker and one wins: a worker losing half its races (and
+    # claiming once more when its run ends) must never be held back (W2's latency)...
+    racing = ClaimBudget()
+    for _ in range(1_000):
+        racing.spend()
+        racing.spend()
+        racing.found_work()
+        assert racing.delay() == 0
+    # ...while doorbells that never lead to work are answered 10 at once, then 10 a second.
+    flooded = ClaimBudget()
+    for _ in range(10):
+        assert flooded.delay() == 0
+        flooded.spend()
+    assert 0 < flooded.delay() <= 0.1
