@@ -10,20 +10,23 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import faults
 from .claiming import ClaimedRun, read_claimed
-from .db import bounded, dumps, jsonb, loads
+from .db import bounded, dumps, jsonb, loads, transient
 from .errors import Fail, InvalidInput, ToolOutcomeUnknown
 from .queries import QUERIES
 
 __all__ = ["Outcome", "OutcomeWriter", "Refill", "error_doc", "from_exception", "from_result"]
 
 logger = logging.getLogger("runpool.outcomes")
+
+# Is the database there at all? (Asked after a batch failed transiently eight times.)
+PROBE: Final = "SELECT 1"
 
 OutcomeKind = Literal["succeeded", "failed", "cancelled", "retry"]
 
@@ -93,6 +96,10 @@ def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_
                                    traceback="".join(traceback.format_exception(exc)[-5:])))
 
 
+class Unreachable(Exception):
+    """The database stayed unreachable while writing outcomes."""
+
+
 class Refill(Protocol):
     """Claims replacements for the slots a batch of outcomes frees, in the same transaction."""
 
@@ -140,9 +147,89 @@ class OutcomeWriter:
             batch = [await self._queue.get()]
             while not self._queue.empty() and len(batch) < 500:
                 batch.append(self._queue.get_nowait())
-            await self._write(batch)
+            try:
+                await self._write(batch, refill=True)
+            except Exception:
+                # A bug of ours must not stop every run of this worker from being recorded.
+                logger.exception("writing %d outcomes failed", len(batch), extra={
+                    "action": "outcome_writer_error", "worker_id": str(self._worker_id)})
+                self._settle(batch, {})
 
-    async def _write(self, batch: list[Pending]) -> None:
+    async def _write(self, batch: list[Pending], *, refill: bool) -> None:
+        """Record a batch; one the database refuses is split until the refused outcome is
+        alone, and that one is recorded as the run's failure (the others as they are)."""
+        try:
+            statuses = await self._commit(batch, refill)
+        except Unreachable:
+            # The leases expire and the runs are reclaimed elsewhere: the safe outcome.
+            self._settle(batch, {})
+        except Exception as exc:
+            if len(batch) > 1:
+                half = len(batch) // 2
+                await self._write(batch[:half], refill=False)
+                await self._write(batch[half:], refill=False)
+            else:
+                await self._reject(batch[0], exc)
+        else:
+            self._settle(batch, statuses)
+
+    async def _reject(self, pending: Pending, exc: Exception) -> None:
+        """The database refused this outcome: record the run failed with an error document
+        that can always be stored (retrying the same outcome would be refused again)."""
+        o = pending.outcome
+        logger.error("the database refused the outcome of run %s: %r", o.run_id, exc, extra={
+            "action": "outcome_rejected", "run_id": str(o.run_id),
+            "worker_id": str(self._worker_id)})
+        substitute = failed(o.run_id, o.attempt, "outcome_rejected",
+                            f"the database refused this run's {o.kind} outcome: {exc}",
+                            sqlstate=getattr(exc, "sqlstate", None) or "")
+        replaced = Pending(substitute, pending.serial, pending.done)
+        try:
+            statuses = await self._commit([replaced], refill=False)
+        except Exception as again:
+            logger.error("recording run %s as failed was refused too: %r", o.run_id, again,
+                         extra={"action": "outcome_not_recorded", "run_id": str(o.run_id),
+                                "worker_id": str(self._worker_id)})
+            statuses = {}
+        self._settle([pending], statuses)
+
+    @staticmethod
+    def _settle(batch: list[Pending], statuses: dict[uuid.UUID, str]) -> None:
+        for pending in batch:
+            if not pending.done.done():
+                pending.done.set_result(statuses.get(pending.outcome.run_id))
+
+    async def _commit(self, batch: list[Pending], refill: bool) -> dict[uuid.UUID, str]:
+        """Write a batch, trying again while the failure is transient; the runs' new statuses.
+        Raises Unreachable when the database stayed away, or the refusal of the batch."""
+        delay = 0.05
+        for attempt in range(8):
+            # Refill only on the first try: a failing claim must not hold outcomes back.
+            room = self._refill.capacity(len(batch)) if self._refill and refill and not attempt \
+                else 0
+            try:
+                return await self._statement(batch, room)
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                logger.warning(
+                    "writing %d outcomes failed (try %d): %r", len(batch), attempt + 1, exc,
+                    extra={"action": "outcome_write_failed", "worker_id": str(self._worker_id)},
+                )
+                last = exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        # Eight transient-looking failures: an unreachable database, or a batch the database
+        # refuses with a transient-looking error (a statement timeout, say). Asking tells them
+        # apart; a refused batch is split, never dropped.
+        try:
+            async with bounded(self._pool, 5) as conn:
+                await conn.execute(PROBE)
+        except Exception:
+            raise Unreachable from last
+        raise last
+
+    async def _statement(self, batch: list[Pending], room: int) -> dict[uuid.UUID, str]:
         outcomes = [p.outcome for p in batch]
         # Runs with serial keys: their keys are released set-based in the batch's transaction.
         serial = any(p.serial for p in batch)
@@ -154,45 +241,26 @@ class OutcomeWriter:
             "errors": [None if o.error is None else jsonb(o.error) for o in outcomes],
             "delays": [o.retry_delay for o in outcomes],
         }
-        delay = 0.05
         claimed: list[ClaimedRun] = []
         sent = time.monotonic()
-        for attempt in range(8):
-            # Refill only on the first try: a failing claim must not hold outcomes back.
-            room = self._refill.capacity(len(batch)) if self._refill and not attempt else 0
-            try:
-                async with bounded(self._pool, 10) as conn:
-                    faults.hit("outcome.committing", conn)
-                    if room > 0:
-                        assert self._refill is not None
-                        async with conn.pipeline():
-                            async with conn.transaction():
-                                if serial:
-                                    await conn.execute(QUERIES["defer_serial_release"])
-                                finished = await conn.execute(QUERIES["finish_runs"], params)
-                                if serial:
-                                    await conn.execute(QUERIES["lock_ended_serial_keys"], params)
-                                    await conn.execute(QUERIES["release_serial_keys"], params)
-                                cursor = await self._refill.statements(conn, room)
-                        claimed = await read_claimed(cursor)
-                    else:
+        async with bounded(self._pool, 10) as conn:
+            faults.hit("outcome.committing", conn)
+            if room > 0:
+                assert self._refill is not None
+                async with conn.pipeline():
+                    async with conn.transaction():
+                        if serial:
+                            await conn.execute(QUERIES["defer_serial_release"])
                         finished = await conn.execute(QUERIES["finish_runs"], params)
-                    statuses = {run_id: status for run_id, status in await finished.fetchall()}
-                break
-            except (psycopg.OperationalError, TimeoutError) as exc:
-                # The database is unreachable: keep trying for a while; if it stays away the
-                # leases expire and the runs are reclaimed elsewhere, which is the safe outcome.
-                logger.warning(
-                    "writing %d outcomes failed (try %d): %r", len(batch), attempt + 1, exc,
-                    extra={"action": "outcome_write_failed", "worker_id": str(self._worker_id)},
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        else:
-            statuses = {}
-        for pending in batch:
-            if not pending.done.done():
-                pending.done.set_result(statuses.get(pending.outcome.run_id))
+                        if serial:
+                            await conn.execute(QUERIES["lock_ended_serial_keys"], params)
+                            await conn.execute(QUERIES["release_serial_keys"], params)
+                        cursor = await self._refill.statements(conn, room)
+                claimed = await read_claimed(cursor)
+            else:
+                finished = await conn.execute(QUERIES["finish_runs"], params)
+            statuses = {run_id: status for run_id, status in await finished.fetchall()}
         if claimed:
             assert self._refill is not None
             self._refill.started(claimed, sent)
+        return statuses

@@ -101,3 +101,9 @@ async def slow_commit(run: runpool.Run) -> Any:
                    retry_interrupted=False)
     await asyncio.sleep(60)
     return "not cancelled"
+
+
+@app.handler("poison_result")
+async def poison_result(run: runpool.Run) -> Any:
+    """A result the test database's trigger refuses (see test_durability)."""
+    return {"poison": True, "sqlstate": run.input.get("sqlstate")}

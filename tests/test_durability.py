@@ -133,3 +133,76 @@ def test_tool_values__the_committed_json_value_in_every_attempt(
                    " AND role = 'user'", run_id)
     assert first == {"seen": expected}  # what attempt 1 saw
     assert row["result"] == expected  # what attempt 2 saw after resuming
+
+
+# -- the outcome writer: one refused outcome never drops its batch or kills the writer -------
+
+REFUSE = """
+CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'refused by an operator''s trigger' USING ERRCODE = NEW.result->>'sqlstate';
+END $$;
+CREATE TRIGGER refuse_poison BEFORE UPDATE ON runpool.runs FOR EACH ROW
+WHEN (jsonb_typeof(NEW.result) = 'object' AND NEW.result ? 'poison')
+EXECUTE FUNCTION refuse_poison();
+"""
+
+
+def _running(conn: psycopg.Connection, n: int) -> list[uuid.UUID]:
+    ids = [runpool.enqueue(conn, "acme", "noop") for _ in range(n)]
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                 " lease_expires_at = now() + interval '1 minute' WHERE id = ANY(%s)", (ids,))
+    return ids
+
+
+def test_outcome_writer__a_refused_outcome_fails_its_run_and_its_batch_is_recorded(
+        conn: psycopg.Connection, dsn: str) -> None:
+    from runpool.outcomes import OutcomeWriter, from_result
+
+    conn.execute(REFUSE)
+    ids = _running(conn, 10)
+    # 54000 (a value over a limit) looks transient to a client that goes by the exception
+    # class (psycopg's OperationalError); 23514 (a check) does not.
+    poisoned = {ids[3]: "54000", ids[7]: "23514"}
+
+    async def main() -> tuple[list[str | None], bool]:
+        pool = await open_pool(dsn, size=2, name="test")
+        try:
+            writer = OutcomeWriter(pool, worker_id=uuid.uuid4())
+            results = [{"poison": True, "sqlstate": poisoned[i]} if i in poisoned else {"ok": 1}
+                       for i in ids]
+            submitted = [asyncio.create_task(writer.submit(from_result(i, 1, r, max_bytes=1 << 20)))
+                         for i, r in zip(ids, results, strict=True)]
+            await asyncio.sleep(0)  # all queued: they go as one batch
+            writing = asyncio.create_task(writer.run())
+            statuses = await asyncio.wait_for(asyncio.gather(*submitted), 60)
+            alive = not writing.done()
+            writing.cancel()
+            return statuses, alive
+        finally:
+            await pool.close()
+
+    statuses, alive = asyncio.run(main())
+    assert alive
+    assert statuses == ["failed" if i in poisoned else "succeeded" for i in ids]
+    for run_id, sqlstate in poisoned.items():
+        row = run_row(conn, run_id)
+        assert (row["status"], row["error"]["reason"]) == ("failed", "outcome_rejected")
+        assert row["error"]["sqlstate"] == sqlstate
+    assert {run_row(conn, i)["result"]["ok"] for i in ids if i not in poisoned} == {1}
+
+
+def test_outcome_writer__a_refused_outcome_never_kills_the_worker(
+        conn: psycopg.Connection, dsn: str) -> None:
+    conn.execute(REFUSE)
+    poison = runpool.enqueue(conn, "acme", "poison_result", {"sqlstate": "23514"},
+                             max_attempts=3)
+    healthy = [runpool.enqueue(conn, "acme", "noop") for _ in range(6)]
+    with running_pool(dsn, app=APP, lease_seconds=2) as pool:
+        wait_for(lambda: all(_done(conn, r) for r in [poison, *healthy]), timeout=30,
+                 what="runs")
+        assert "side_task_failed" not in pool.log()
+    row = run_row(conn, poison)
+    assert (row["status"], row["attempt"], row["error"]["reason"]) == (
+        "failed", 1, "outcome_rejected")
+    assert all(run_row(conn, r)["status"] == "succeeded" for r in healthy)
