@@ -15,6 +15,7 @@ from .errors import (
     SchemaOutOfDate,
     ToolOutcomeUnknown,
 )
+from .resolve import resolve_tool_call
 from .settings import Settings
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "enqueue",
     "enqueue_async",
     "enqueue_many",
+    "resolve_tool_call",
 ]

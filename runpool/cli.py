@@ -23,8 +23,8 @@ from .settings import Settings
 __all__ = ["main"]
 
 COMMANDS = (
-    "run", "migrate", "enqueue", "cancel", "retry", "explain", "runs", "status", "demo",
-    "bench",
+    "run", "migrate", "enqueue", "cancel", "retry", "resolve", "explain", "runs", "status",
+    "demo", "bench",
 )
 
 # The SQL API, called exactly as an application would.
@@ -118,6 +118,16 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("retry", help="put a failed or cancelled run back in the queue")
     _add_settings_flags(p, db_only)
     p.add_argument("run_id")
+
+    p = sub.add_parser("resolve", help="resolve a tool call of a run that is not running"
+                       " (runpool.resolve_tool_call), then `retry` the run")
+    _add_settings_flags(p, db_only)
+    p.add_argument("run_id")
+    p.add_argument("call_id")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--result", help="it was done: this JSON is the call's result")
+    how.add_argument("--retry", action="store_true", help="run the tool again")
+    p.add_argument("--tenant")
 
     p = sub.add_parser("explain", help="why a run is (not) running")
     _add_settings_flags(p, db_only)
@@ -258,6 +268,21 @@ def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     if args.command == "retry":
         row = conn.execute(RETRY, (_parse_run_id(args.run_id),)).fetchone()
         return _answer(row, args.run_id)
+    if args.command == "resolve":
+        from .resolve import resolve_tool_call
+
+        try:
+            result = json.loads(args.result) if args.result is not None else None
+        except ValueError as exc:
+            raise InvalidInput(f"--result is not valid JSON: {exc}") from None
+        kind: dict[str, Any] = {"retry": True} if args.retry else {"result": result}
+        answer = resolve_tool_call(conn, _parse_run_id(args.run_id), args.call_id,
+                                   tenant=args.tenant, **kind)
+        if answer is None:
+            print(f"no such run or tool call: {args.run_id} {args.call_id}", file=sys.stderr)
+            return 1
+        print(answer)
+        return 0
     if args.command == "explain":
         row = conn.execute(EXPLAIN, (_parse_run_id(args.run_id),)).fetchone()
         if row is None or row[0] is None:

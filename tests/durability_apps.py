@@ -33,11 +33,30 @@ def _recording(run: runpool.Run, value: Any = None, seconds: float = 0.0,
 async def slow_tools(run: runpool.Run) -> Any:
     """`steps` tool calls of `tool_seconds` each, unsafe to retry when `unsafe`."""
     unsafe = bool(run.input.get("unsafe", False))
-    tool = _recording(run, seconds=float(run.input.get("tool_seconds", 0)))
+    seconds = float(run.input.get("tool_seconds", 0))
+    results = []
     for i in range(int(run.input.get("steps", 2))):
-        await run.add_message("assistant", {"turn": i})
-        await run.tool(f"c{i}", "lookup", {"i": i}, tool, retry_interrupted=not unsafe)
-    return {"attempt": run.attempt}
+        if sum(m.role == "assistant" for m in run.messages) <= i:
+            await run.add_message("assistant", {"turn": i})
+        tool = _recording(run, seconds=seconds, exit_in_attempt_1=i == run.input.get("crash_in"))
+        results.append(await run.tool(f"c{i}", "lookup", {"i": i}, tool,
+                                      retry_interrupted=not unsafe))
+    return {"attempt": run.attempt, "results": results}
+
+
+@app.handler("tool_error")
+async def tool_error(run: runpool.Run) -> Any:
+    """A tool failing in attempt 1 (its error is committed); the handler gives up on it."""
+    def fetch(arguments: Any, key: str) -> Any:
+        record_execution(os.environ["RUNPOOL_DSN"], run.id, "c0", run.attempt, key)
+        if run.attempt == 1:
+            raise ConnectionError("upstream unavailable")
+        return {"fetched": True}
+
+    result = await run.tool("c0", "fetch", {}, fetch)
+    if "error" in result:
+        raise RuntimeError(f"the tool failed: {result['error']['message']}")
+    return result
 
 
 @app.handler("reuse_call_id")

@@ -206,3 +206,102 @@ def test_outcome_writer__a_refused_outcome_never_kills_the_worker(
     assert (row["status"], row["attempt"], row["error"]["reason"]) == (
         "failed", 1, "outcome_rejected")
     assert all(run_row(conn, r)["status"] == "succeeded" for r in healthy)
+
+
+# -- resolve_tool_call: an operator's way past a call a dead-lettered run cannot pass --------
+
+def test_resolve_tool_call__rescues_an_unknown_outcome_and_a_stored_error(
+        conn: psycopg.Connection, dsn: str) -> None:
+    sent = runpool.enqueue(conn, "acme", "slow_tools", {"steps": 2, "unsafe": True,
+                                                        "crash_in": 1}, max_attempts=2)
+    again = runpool.enqueue(conn, "acme", "slow_tools", {"steps": 2, "unsafe": True,
+                                                         "crash_in": 1}, max_attempts=2)
+    stored = runpool.enqueue(conn, "acme", "tool_error", max_attempts=2)
+    # One run at a time: a run's crash must not take another's attempt with it.
+    with running_pool(dsn, app=APP, lease_seconds=1.5, concurrency=1):
+        wait_for(lambda: all(_done(conn, r) for r in (sent, again, stored)), timeout=60,
+                 what="dead-lettered runs")
+        for run_id, reason in ((sent, "tool_outcome_unknown"), (again, "tool_outcome_unknown"),
+                               (stored, "exception")):
+            row = run_row(conn, run_id)
+            assert (row["status"], (row["error"] or {}).get("reason")) == ("failed", reason), row
+        # retry_run alone meets the same unknown call again.
+        assert scalar(conn, "SELECT runpool.retry_run(%s)", sent) == "queued"
+        wait_for(lambda: _done(conn, sent), what="retried run")
+        assert run_row(conn, sent)["error"]["reason"] == "tool_outcome_unknown"
+        # "It was sent": the run goes on with the operator's result, the tool does not rerun.
+        assert runpool.resolve_tool_call(conn, sent, "c1", result={"found": "by hand"}) == (
+            "succeeded")
+        # "Run it again" (the unknown call, and the call that stored a transient error).
+        assert runpool.resolve_tool_call(conn, again, "c1", retry=True) == "retry"
+        assert runpool.resolve_tool_call(conn, stored, "c0", retry=True) == "retry"
+        for run_id in (sent, again, stored):
+            assert scalar(conn, "SELECT runpool.retry_run(%s)", run_id) == "queued"
+        wait_for(lambda: all(_done(conn, r) for r in (sent, again, stored)), timeout=30,
+                 what="rescued runs")
+    assert run_row(conn, sent)["result"]["results"] == [{"i": 0}, {"found": "by hand"}]
+    assert _executions(conn, sent) == {"c0": 1, "c1": 1}
+    assert run_row(conn, again)["result"]["results"] == [{"i": 0}, {"i": 1}]
+    assert _executions(conn, again) == {"c0": 1, "c1": 2}
+    assert run_row(conn, stored)["result"] == {"fetched": True}
+    for run_id in (sent, again, stored):
+        assert run_row(conn, run_id)["status"] == "succeeded"
+        # One tool message per call, saying what the handler got.
+        calls = conn.execute("SELECT call_id, count(*) FROM runpool.messages WHERE run_id = %s"
+                             " AND role = 'tool' GROUP BY call_id", (run_id,)).fetchall()
+        assert {n for _, n in calls} == {1}
+
+
+def test_resolve_tool_call__refuses_a_running_run_and_hides_other_tenants(
+        conn: psycopg.Connection) -> None:
+    import pytest
+
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                 " lease_expires_at = now() + interval '1 minute' WHERE id = %s", (run_id,))
+    conn.execute("INSERT INTO runpool.tool_calls (run_id, call_id, name, arguments, status,"
+                 " attempt) VALUES (%s, 'c0', 't', '{}', 'started', 1)", (run_id,))
+    with pytest.raises(runpool.InvalidInput, match="is running"):
+        runpool.resolve_tool_call(conn, run_id, "c0", retry=True)
+    with pytest.raises(runpool.InvalidInput, match="either"):
+        runpool.resolve_tool_call(conn, run_id, "c0")
+    with pytest.raises(runpool.InvalidInput, match="either"):
+        runpool.resolve_tool_call(conn, run_id, "c0", result=1, retry=True)
+    conn.execute("UPDATE runpool.runs SET status = 'failed', finished_at = now(),"
+                 " lease_expires_at = NULL WHERE id = %s", (run_id,))
+    assert runpool.resolve_tool_call(conn, run_id, "c0", retry=True, tenant="other") is None
+    assert runpool.resolve_tool_call(conn, run_id, "c9", retry=True) is None
+    assert runpool.resolve_tool_call(conn, uuid.uuid4(), "c0", retry=True) is None
+    # The SQL function refuses "neither" too, and a caller without the grant.
+    with pytest.raises(psycopg.errors.InvalidParameterValue):
+        conn.execute("SELECT runpool.resolve_tool_call(%s, 'c0')", (run_id,))
+    assert scalar(conn, "SELECT has_function_privilege('public',"
+                  " 'runpool.resolve_tool_call(uuid, text, jsonb, boolean, text)', 'EXECUTE')"
+                  ) is False
+    assert runpool.resolve_tool_call(conn, run_id, "c0", result=None) == "succeeded"
+    assert conn.execute("SELECT status, result FROM runpool.tool_calls").fetchall() == [
+        ("succeeded", None)]
+
+
+def test_resolve_tool_call__cli(conn: psycopg.Connection, dsn: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, pool_env
+
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    conn.execute("UPDATE runpool.runs SET status = 'failed', attempt = 1,"
+                 " finished_at = now() WHERE id = %s",
+                 (run_id,))
+    conn.execute("INSERT INTO runpool.tool_calls (run_id, call_id, name, arguments, status,"
+                 " attempt, result, finished_at) VALUES (%s, 'c0', 't', '{}', 'unknown', 1,"
+                 " '{\"outcome\": \"unknown\"}', now())", (run_id,))
+    out = subprocess.run([sys.executable, "-m", "runpool", "resolve", str(run_id), "c0",
+                          "--result", '{"sent": true}', "--dsn", dsn],
+                         env=pool_env(dsn), cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "succeeded"), out.stderr
+    assert scalar(conn, "SELECT result FROM runpool.tool_calls WHERE run_id = %s",
+                  run_id) == {"sent": True}
+    assert scalar(conn, "SELECT content FROM runpool.messages WHERE run_id = %s AND"
+                  " call_id = 'c0'", run_id) == {"sent": True}
