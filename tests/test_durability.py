@@ -94,7 +94,8 @@ def test_reused_call_id__another_tool_is_refused_never_answered_with_the_first_r
         conn: psycopg.Connection, dsn: str) -> None:
     same = runpool.enqueue(conn, "acme", "reuse_call_id")
     across = runpool.enqueue(conn, "acme", "reuse_call_id", {"crash": True})
-    with running_pool(dsn, app=APP, lease_seconds=1.5):
+    # One run at a time: a run's crash must not take another's attempt with it.
+    with running_pool(dsn, app=APP, lease_seconds=1.5, concurrency=1):
         wait_for(lambda: _done(conn, same) and _done(conn, across), timeout=30, what="runs")
     result = run_row(conn, same)["result"]
     assert result["ran"] == ["search"]
