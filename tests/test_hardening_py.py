@@ -318,3 +318,15 @@ def test_claim_budget__racing_workers_never_wait_but_a_flood_does() -> None:
         assert flooded.delay() == 0
         flooded.spend()
     assert 0 < flooded.delay() <= 0.1
+
+
+def test_tenant_with_a_newline__cannot_forge_a_log_line(
+        conn: psycopg.Connection, dsn: str) -> None:
+    forged = "2026-01-01 00:00:00,000 ERROR runpool.worker[1]: forged action=forged"
+    run_id = runpool.enqueue(conn, f"evil\n{forged}", "fails")
+    with running_pool(dsn, workers=1) as pool:
+        wait_for(lambda: _terminal(conn, run_id), what="the run ended")
+        log = pool.log()
+    assert not any(line.startswith("2026-01-01") for line in log.splitlines()), log[-2000:]
+    # The tenant is still there, quoted: "evil\n2026-...".
+    assert 'tenant="evil\\n2026-01-01' in log
