@@ -3,7 +3,7 @@ fenced by the run's lease (its attempt number). This package never imports runpo
 
 from __future__ import annotations
 
-from .models import CallMismatch, LeaseLost, Message, ToolCall
+from .models import CallMismatch, LeaseLost, Message, ToolCall, raise_lease_lost_as
 from .store import (
     append_message,
     commit_tool_result,
@@ -25,5 +25,6 @@ __all__ = [
     "load",
     "load_paged",
     "mark_tool_unknown",
+    "raise_lease_lost_as",
     "record_tool_intent",
 ]

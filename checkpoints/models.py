@@ -25,6 +25,23 @@ class CallMismatch(ValueError):
         self.call_id = call_id
 
 
+# The class the store raises: LeaseLost, or the subclass a library built on this package put
+# into its own error hierarchy (runpool.LeaseLost), since this package never imports it.
+_raised: type[LeaseLost] = LeaseLost
+
+
+def raise_lease_lost_as(cls: type[LeaseLost]) -> None:
+    """Make the store raise `cls`, a subclass of LeaseLost, when an attempt lost its lease."""
+    global _raised
+    if not issubclass(cls, LeaseLost):
+        raise TypeError(f"{cls!r} is not a subclass of checkpoints.LeaseLost")
+    _raised = cls
+
+
+def lease_lost(message: str) -> LeaseLost:
+    return _raised(message)
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     seq: int

@@ -23,7 +23,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import class_row
 
-from .models import CallMismatch, LeaseLost, Message, ToolCall
+from .models import CallMismatch, Message, ToolCall, lease_lost
 
 __all__ = [
     "append_message",
@@ -138,7 +138,7 @@ async def _nothing_written(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID
     """Why a fenced write wrote nothing: the lease, or the call's state."""
     cur = await conn.execute(HOLDS, {"run_id": run_id, "attempt": attempt})
     if await cur.fetchone() is None:
-        return LeaseLost(f"attempt {attempt} of run {run_id} no longer holds its lease")
+        return lease_lost(f"attempt {attempt} of run {run_id} no longer holds its lease")
     return LookupError(what)
 
 

@@ -8,22 +8,33 @@ from .app import App
 from .context import Run
 from .enqueue import RunSpec, enqueue, enqueue_async, enqueue_many
 from .errors import (
+    AppNotFound,
+    DatabaseTimeout,
     Fail,
     InvalidInput,
     LeaseLost,
     RunpoolError,
     SchemaOutOfDate,
     ToolOutcomeUnknown,
+    UnsafeSchema,
+    UsageError,
+    WorkerFailed,
 )
+from .pool import Pool
 from .resolve import resolve_tool_call
 from .settings import Settings
 
+__version__ = "0.1.0"
+
 __all__ = [
     "App",
+    "AppNotFound",
+    "DatabaseTimeout",
     "Fail",
     "InvalidInput",
     "LeaseLost",
     "Message",
+    "Pool",
     "Run",
     "RunSpec",
     "RunpoolError",
@@ -31,6 +42,10 @@ __all__ = [
     "Settings",
     "ToolCall",
     "ToolOutcomeUnknown",
+    "UnsafeSchema",
+    "UsageError",
+    "WorkerFailed",
+    "__version__",
     "enqueue",
     "enqueue_async",
     "enqueue_many",

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from .errors import InvalidInput
+from .errors import AppNotFound, InvalidInput
 
-__all__ = ["App", "Handler"]
+__all__ = ["App", "Handler", "load_app"]
 
 if TYPE_CHECKING:
     from .context import Run
@@ -55,3 +56,18 @@ class App:
     @property
     def names(self) -> list[str]:
         return sorted(self._handlers)
+
+
+def load_app(path: str | None) -> App:
+    """The App named by `module:attribute` (attribute defaults to `app`)."""
+    if not path:
+        raise AppNotFound("no app given: pass --app module:attribute (or set RUNPOOL_APP)")
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise AppNotFound(f"cannot import app module {module_name!r}: {exc}") from exc
+    app = getattr(module, attr or "app", None)
+    if not isinstance(app, App):
+        raise AppNotFound(f"{path!r} is not a runpool.App")
+    return app

@@ -1,4 +1,9 @@
-"""`python -m runpool`: run the pool, or one of its subcommands. Every flag has a RUNPOOL_* twin."""
+"""`python -m runpool`: run the pool (`worker`, the default command), or one of its other
+subcommands. Every settings flag has a RUNPOOL_* twin.
+
+Exit codes: 0 ok, 1 not found or failed, 2 invalid input, 78 cannot run here as configured
+(the app cannot be loaded, or a worker found the schema out of date).
+"""
 
 from __future__ import annotations
 
@@ -13,18 +18,21 @@ from typing import Any
 
 import psycopg
 
-from . import faults
+from . import __version__, faults
 from .db import connect, translate_error
 from .embedded import resolve_dsn
-from .errors import InvalidInput, RunpoolError
+from .errors import AppNotFound, InvalidInput, RunpoolError
 from .logs import setup_logging
 from .settings import Settings
+from .supervisor import EXIT_CONFIG
 
 __all__ = ["main"]
 
+# `run` is the pool command's older name, still accepted.
+POOL_COMMANDS = ("worker", "run")
 COMMANDS = (
-    "run", "migrate", "enqueue", "cancel", "retry", "resolve", "explain", "runs", "status",
-    "demo", "bench",
+    *POOL_COMMANDS, "migrate", "enqueue", "cancel", "retry", "resolve", "explain", "runs",
+    "status", "demo", "bench",
 )
 
 # The SQL API, called exactly as an application would.
@@ -49,7 +57,7 @@ _HELP = {
     "max_message_bytes": "largest message or tool result a handler may commit",
     "max_result_bytes": "largest result a handler may end a run with",
     "pool_size": "database connections per worker (default 3 + concurrency/4)",
-    "listen": "use LISTEN/NOTIFY (0: poll only, for transaction-mode poolers)",
+    "listen": "use LISTEN/NOTIFY (--no-listen: poll only, for transaction-mode poolers)",
     "data_dir": "embedded PostgreSQL data directory",
 }
 
@@ -59,26 +67,19 @@ def _add_settings_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] =
         if only and f.name not in only:
             continue
         flag = "--" + f.name.replace("_", "-").removesuffix("-seconds")
-        kind: Any = str
+        help_text = f"{_HELP.get(f.name, '')} [RUNPOOL_{f.name.upper()}]"
         type_name = str(f.type)
+        if type_name.startswith("bool"):
+            # --listen / --no-listen; neither given: the environment or the default decides.
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
+            continue
+        kind: Any = str
         if type_name.startswith("int"):
             kind = int
         elif type_name.startswith("float"):
             kind = float
-        elif type_name.startswith("bool"):
-            kind = _bool
-        parser.add_argument(
-            flag, dest=f.name, type=kind, default=None,
-            help=f"{_HELP.get(f.name, '')} [RUNPOOL_{f.name.upper()}]",
-        )
-
-
-def _bool(value: str) -> bool:
-    if value.lower() in {"1", "true", "yes", "on"}:
-        return True
-    if value.lower() in {"0", "false", "no", "off"}:
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -87,11 +88,17 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m runpool", description=__doc__)
-    sub = parser.add_subparsers(dest="command")
+    parser = argparse.ArgumentParser(
+        prog="python -m runpool", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"runpool {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     db_only = ("dsn", "data_dir")
 
-    p = sub.add_parser("run", help="run the worker pool (the default command)")
+    p = sub.add_parser(
+        "worker", aliases=["run"], help="run the worker pool (the default command)",
+        description="Run the worker pool: a supervisor forking --workers processes of"
+                    " --concurrency run slots each, loading handlers from --app.")
     _add_settings_flags(p)
 
     p = sub.add_parser("migrate", help="apply pending migrations")
@@ -163,8 +170,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in {"-h", "--help"}):
-        argv.insert(0, "run")
+    if not argv or argv[0] not in {*COMMANDS, "-h", "--help", "--version"}:
+        argv.insert(0, "worker")
     args = _parser().parse_args(argv)
     setup_logging()
     try:
@@ -172,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     except InvalidInput as exc:
         print(f"runpool: invalid input: {exc}", file=sys.stderr)
         code = 2
+    except AppNotFound as exc:
+        print(f"runpool: {exc}", file=sys.stderr)
+        code = EXIT_CONFIG
     except RunpoolError as exc:
         print(f"runpool: {exc}", file=sys.stderr)
         code = 1
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    if args.command == "run":
+    if args.command in POOL_COMMANDS:
         return _run(settings)
     if args.command == "demo":
         from .demo import run_demo
@@ -211,7 +221,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _run(settings: Settings) -> int:
-    from .supervisor import Supervisor, load_app
+    from .app import load_app
+    from .supervisor import Supervisor
 
     app = load_app(settings.app)
     if faults.armed():  # parsed here so a malformed spec is refused before any fork
@@ -227,11 +238,10 @@ def _run(settings: Settings) -> int:
 
 
 def _migrate(conn: psycopg.Connection[Any], *, sql_only: bool) -> int:
-    from .migrate import migrate, pending
+    from .migrate import migrate, script
 
     if sql_only:
-        for m in pending(conn):
-            print(f"-- {m.version:04d}_{m.name}.sql\n{m.sql}")
+        print(script(conn), end="")
         return 0
     applied = migrate(conn)
     for m in applied:

@@ -24,7 +24,7 @@ from checkpoints import CallMismatch, Message, ToolCall
 
 from . import faults, telemetry
 from .db import dumps, jsonb, loads, retrying
-from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
+from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
 
 __all__ = ["Run", "ToolFn"]
 
@@ -173,7 +173,7 @@ class Run:
         if self._lost:
             raise LeaseLost(f"attempt {self.attempt} of run {self.id} lost its lease")
         if self._pool is None:
-            raise RuntimeError("this Run is not attached to a database")
+            raise UsageError("this Run is not attached to a database")
         return self._pool
 
     async def _db(self, pool: AsyncConnectionPool, what: str, op: Op[T]) -> T:
@@ -365,7 +365,7 @@ class Run:
         except RuntimeError:
             pass
         else:  # blocking the loop on itself would hang the whole worker
-            raise RuntimeError("the *_sync methods are for plain `def` handlers; an async"
+            raise UsageError("the *_sync methods are for plain `def` handlers; an async"
                                " handler awaits add_message() and tool()")
         if self._closed is not None:
             # The worker is stopping this run (drain past its grace) or exiting: nothing more

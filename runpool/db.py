@@ -23,7 +23,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from .errors import InvalidInput
+from .errors import DatabaseTimeout, InvalidInput
 
 __all__ = [
     "again",
@@ -263,14 +263,14 @@ async def bounded(pool: AsyncConnectionPool, seconds: float
     deadline = loop.time() + seconds
     async with pool.connection(timeout=seconds) as conn:
         if loop.time() >= deadline:
-            raise TimeoutError(f"no database connection within {seconds:g}s")
+            raise DatabaseTimeout(f"no database connection within {seconds:g}s")
         severed: list[bool] = []
         timer = loop.call_at(deadline, _sever_late, conn, severed)
         try:
             yield conn
         except psycopg.OperationalError as exc:
             if severed:
-                raise TimeoutError(f"database work did not finish within {seconds:g}s") from exc
+                raise DatabaseTimeout(f"database work did not finish within {seconds:g}s") from exc
             raise
         finally:
             timer.cancel()

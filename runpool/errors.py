@@ -1,11 +1,17 @@
-"""The runpool error hierarchy: each class's docstring is its default message."""
+"""The runpool error hierarchy: each class's docstring is its default message.
+
+Everything runpool raises on purpose is a RunpoolError. Where a built-in meaning applies too,
+the class also derives from the built-in (InvalidInput is a ValueError, DatabaseTimeout a
+TimeoutError, UsageError a RuntimeError), so code written against the built-in keeps working.
+"""
 
 from __future__ import annotations
 
-# One class for both packages: checkpoints raises it, handlers catch runpool.LeaseLost.
-from checkpoints import LeaseLost
+import checkpoints
 
 __all__ = [
+    "AppNotFound",
+    "DatabaseTimeout",
     "Fail",
     "InvalidInput",
     "LeaseLost",
@@ -13,6 +19,8 @@ __all__ = [
     "SchemaOutOfDate",
     "ToolOutcomeUnknown",
     "UnsafeSchema",
+    "UsageError",
+    "WorkerFailed",
 ]
 
 
@@ -25,6 +33,32 @@ class RunpoolError(Exception):
 
 class InvalidInput(RunpoolError, ValueError):
     """Invalid argument: nothing was written."""
+
+
+class LeaseLost(RunpoolError, checkpoints.LeaseLost):
+    """This attempt no longer holds the run's lease; its writes are rejected."""
+
+
+# checkpoints never imports runpool: told here, its store raises this class, which both
+# `except runpool.LeaseLost` and `except checkpoints.LeaseLost` catch.
+checkpoints.raise_lease_lost_as(LeaseLost)
+
+
+class AppNotFound(RunpoolError):
+    """The app could not be loaded: pass --app module:attribute naming a runpool.App."""
+
+
+class DatabaseTimeout(RunpoolError, TimeoutError):
+    """The database did not answer in time."""
+
+
+class UsageError(RunpoolError, RuntimeError):
+    """runpool was called in a way it does not support (e.g. a *_sync method on the loop)."""
+
+
+class WorkerFailed(RunpoolError):
+    """A pool's worker stopped on an internal failure (its heartbeat, listener or outcome
+    writer): in-flight runs were released or are reclaimed when their leases expire."""
 
 
 class SchemaOutOfDate(RunpoolError):
@@ -53,6 +87,6 @@ class Fail(RunpoolError):
         self.reason = reason
 
 
-for _cls in (RunpoolError, InvalidInput, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown,
-             Fail):
+for _cls in (RunpoolError, InvalidInput, LeaseLost, AppNotFound, DatabaseTimeout, UsageError,
+             WorkerFailed, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown, Fail):
     _cls.__module__ = "runpool"

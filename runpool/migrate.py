@@ -1,20 +1,28 @@
-"""Applies migrations/NNNN_name.sql in order, once, under an advisory lock."""
+"""Applies migrations/NNNN_name.sql in order, once, under an advisory lock.
+
+The files are package resources (`runpool/migrations` is the top-level `migrations/` directory,
+copied into the wheel at build time), so an installed runpool finds them wherever it lives.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from importlib.abc import Traversable
+from importlib.resources import files
 from typing import Any, Final, LiteralString, cast
 
 import psycopg
+from psycopg import sql
 
 from .errors import SchemaOutOfDate, UnsafeSchema
 
-__all__ = ["Migration", "applied_versions", "check", "check_owner", "migrate", "migrations",
-           "pending"]
+__all__ = [
+    "Migration", "applied_versions", "check", "check_owner", "migrate", "migrations",
+    "pending", "script",
+]
 
-MIGRATIONS_DIR: Final = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR: Final[Traversable] = files("runpool") / "migrations"
 _NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 # Serialises migrators across hosts: the second waits, then finds nothing left to do.
@@ -45,6 +53,9 @@ FROM pg_namespace n WHERE n.nspname = 'runpool'
 """
 HAS_TABLE: Final = "SELECT to_regclass('runpool.schema_migrations') IS NOT NULL"
 RECORD: Final = "INSERT INTO runpool.schema_migrations (version, name) VALUES (%s, %s)"
+# The same record, spelled with literals for a script that psql runs (`migrate --sql`).
+RECORD_LITERAL: Final = sql.SQL(
+    "INSERT INTO runpool.schema_migrations (version, name) VALUES ({}, {});")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +65,18 @@ class Migration:
     sql: str
 
 
-def migrations(directory: Path = MIGRATIONS_DIR) -> list[Migration]:
+def migrations(directory: Traversable = MIGRATIONS_DIR) -> list[Migration]:
     found = []
-    for path in sorted(directory.glob("*.sql")):
-        match = _NAME.match(path.name)
+    for entry in directory.iterdir():
+        match = _NAME.match(entry.name)
         if match:
-            found.append(Migration(int(match[1]), match[2], path.read_text()))
-    return found
+            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    if not found:
+        # An installation without its migrations would call an empty database up to date
+        # and let workers crash-loop on missing tables: refuse loudly instead.
+        raise SchemaOutOfDate(f"no migrations found in {directory}: this runpool installation"
+                              " is incomplete; reinstall it")
+    return sorted(found, key=lambda m: m.version)
 
 
 def applied_versions(conn: psycopg.Connection[Any]) -> set[int]:
@@ -104,6 +120,20 @@ def check_owner(conn: psycopg.Connection[Any]) -> None:
         raise UnsafeSchema(
             "roles other than the owner may create objects in the runpool schema;"
             " REVOKE CREATE ON SCHEMA runpool FROM them before migrating")
+
+
+def script(conn: psycopg.Connection[Any]) -> str:
+    """What `migrate` would do, as one psql script: the bootstrap, every pending migration and
+    its record, in one transaction under the same lock (`migrate --sql | psql`)."""
+    check_owner(conn)  # a script for a schema someone else controls would be unsafe too
+    parts = ["BEGIN;", LOCK_MIGRATIONS + ";", BOOTSTRAP.strip() + ";"]
+    for m in pending(conn):
+        parts.append(f"-- {m.version:04d}_{m.name}.sql")
+        # A file's last statement may lack its semicolon (or end in a comment): psql needs one.
+        parts.extend((m.sql.strip(), ";"))
+        parts.append(RECORD_LITERAL.format(m.version, m.name).as_string(conn))
+    parts.append("COMMIT;")
+    return "\n".join(parts) + "\n"
 
 
 def check(conn: psycopg.Connection[Any]) -> None:

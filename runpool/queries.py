@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from importlib.resources import files
 from typing import Final, LiteralString, cast
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
 def _load() -> dict[str, LiteralString]:
-    text = (Path(__file__).parent / "queries.sql").read_text()
+    # A package resource, so an installed wheel (or a zip) finds it too.
+    text = (files("runpool") / "queries.sql").read_text(encoding="utf-8")
     parts = _HEADER.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     return {

@@ -11,7 +11,6 @@ it forks.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import os
 import signal
@@ -20,8 +19,8 @@ import time
 from dataclasses import dataclass
 from types import FrameType
 
-from .app import App
-from .errors import RunpoolError, SchemaOutOfDate
+from .app import App, load_app
+from .errors import SchemaOutOfDate
 from .settings import Settings
 
 __all__ = ["EXIT_CONFIG", "EXIT_STUCK", "Supervisor", "load_app", "run_worker_process"]
@@ -36,62 +35,55 @@ EXIT_CONFIG = 78
 EXIT_STUCK = 75
 
 
-def load_app(path: str | None) -> App:
-    if not path:
-        raise RunpoolError("no app given: pass --app module:attribute (or set RUNPOOL_APP)")
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RunpoolError(f"cannot import app module {module_name!r}: {exc}") from exc
-    app = getattr(module, attr or "app", None)
-    if not isinstance(app, App):
-        raise RunpoolError(f"{path!r} is not a runpool.App")
-    return app
-
-
 def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> int:
     """The body of one worker process; returns its exit code."""
-    from .db import connect
-    from .migrate import check
     try:
-        with connect(dsn, autocommit=True) as conn:
-            check(conn)
+        return asyncio.run(_worker_async(settings, dsn, app, parent_fd))
     except SchemaOutOfDate as exc:
         logger.error("%s", exc, extra={"action": "schema_out_of_date"})
         return EXIT_CONFIG
-    return asyncio.run(_worker_async(settings, dsn, app, parent_fd))
 
 
 async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> int:
+    """A worker process is a runpool.Pool behind this process's signals: the first SIGTERM
+    drains, the second (or SIGUSR1, the supervisor's relay) releases in-flight runs at once.
+    Returns the process's exit code."""
+    from . import telemetry
+    from .errors import WorkerFailed
+    from .pool import Pool
+
     loop = asyncio.get_running_loop()
-    stop, abort = asyncio.Event(), asyncio.Event()
+    pool = Pool(app, dsn=dsn, settings=settings)
+    terms = 0
 
     def on_term() -> None:
-        if stop.is_set():
-            abort.set()
-        stop.set()
+        nonlocal terms
+        terms += 1
+        pool.stop(now=terms > 1)
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
-    def on_abort() -> None:
-        stop.set()
-        abort.set()
-
-    loop.add_signal_handler(signal.SIGUSR1, on_abort)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: pool.stop(now=True))
     if parent_fd is not None:
         # The write end lives only in the supervisor: EOF here means it died.
         def on_parent_gone() -> None:
             loop.remove_reader(parent_fd)
             logger.warning("supervisor is gone; stopping", extra={"action": "orphaned"})
-            stop.set()
-            abort.set()
+            pool.stop(now=True)
 
         loop.add_reader(parent_fd, on_parent_gone)
-    from .worker import Worker
-
-    worker = Worker(settings, app, dsn)
-    await worker.run(stop, abort)
-    return worker.exit_code
+    # This process is the pool's own, so it may install a global tracer provider (built from
+    # OTEL_*), which the pool then uses; it flushes it, bounded, on the way out.
+    provider = telemetry.provider_from_env(pool.worker_id)
+    try:
+        await pool.start()
+        await pool.wait()
+    except WorkerFailed:
+        if pool.exit_code:
+            return pool.exit_code  # a stuck handler thread: only this exit ends it
+        raise
+    finally:
+        await asyncio.to_thread(telemetry.shutdown_provider, provider)
+    return 0
 
 
 @dataclass(slots=True)

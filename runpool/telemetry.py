@@ -1,8 +1,14 @@
-"""Tracing: one trace per run across all its attempts, exported over OTLP/HTTP.
+"""Tracing: one trace per run across all its attempts.
 
-Configured only by the standard OTEL_* variables; with no OTLP endpoint set, tracing is off
-and the worker's hot path creates no spans at all. Each worker builds its provider after the
-fork (the supervisor never builds one) and flushes it, bounded, before it exits.
+A pool traces through the tracer provider it is given, else the global one its host set; with
+neither (no SDK provider anywhere) tracing is off and the hot path creates no spans at all.
+An embedded pool (runpool.Pool) never builds or installs a provider: that is the host
+application's business. A worker process of `python -m runpool worker` is its own host: it
+builds a provider from the standard OTEL_* variables (OTLP/HTTP export) after the fork (the
+supervisor never builds one) and flushes it, bounded, before it exits.
+
+The tracer in use is a context variable set when a worker starts: every task the worker starts
+(and every thread a handler runs in) inherits it, so two pools in one process do not mix.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Final
 
 from opentelemetry import context as otel_context
@@ -29,12 +36,12 @@ from opentelemetry.trace import (
 __all__ = [
     "Status",
     "StatusCode",
+    "activate",
     "enabled",
     "process_span",
+    "provider_from_env",
     "run_context",
-    "setup_tracing",
-    "shutdown_tracing",
-    "tracer",
+    "shutdown_provider",
 ]
 
 logger = logging.getLogger("runpool.telemetry")
@@ -50,32 +57,39 @@ GENAI_TOOL_NAME: Final = "gen_ai.tool.name"
 GENAI_TOOL_CALL_ID: Final = "gen_ai.tool.call.id"
 GENAI_REQUEST_MODEL: Final = "gen_ai.request.model"
 
-_provider: Any = None
+# The tracer of the worker this code runs under; None: tracing is off.
+_tracer: ContextVar[trace.Tracer | None] = ContextVar("runpool_tracer", default=None)
 
 
 def enabled() -> bool:
-    """True in a worker whose tracing is configured (checked on the hot path: off is free)."""
-    return _provider is not None
+    """True under a worker whose tracing is on (checked on the hot path: off is free)."""
+    return _tracer.get() is not None
 
 
-def tracer() -> trace.Tracer:
-    return trace.get_tracer("runpool")
-
-
-def setup_tracing(worker_id: uuid.UUID) -> None:
-    """Build this process's tracer provider if an OTLP endpoint is configured."""
-    global _provider
-    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+def activate(provider: trace.TracerProvider | None) -> None:
+    """Trace the calling task (and what it starts) through `provider`, else the global
+    provider; off when that is the API's default (no SDK provider was ever installed)."""
+    chosen = provider or trace.get_tracer_provider()
+    if isinstance(chosen, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+        _tracer.set(None)
         return
+    _tracer.set(chosen.get_tracer("runpool"))
+
+
+def provider_from_env(worker_id: uuid.UUID) -> Any:
+    """For a worker process that owns its process: an SDK provider exporting over OTLP,
+    installed globally, if an OTLP endpoint is configured; else None."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return None
     if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
             or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
-        return
+        return None
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
         logger.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but the exporter is not installed:"
                        " pip install 'runpool[otlp]'", extra={"action": "tracing_unavailable"})
-        return
+        return None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -89,20 +103,21 @@ def setup_tracing(worker_id: uuid.UUID) -> None:
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     # A short export timeout: a collector that is down or hangs must not hold up shutdown.
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(timeout=3)))
+    # This process is the worker's own (forked by the supervisor): the global is ours to set,
+    # so spans the handlers start themselves go to the same exporter.
     trace.set_tracer_provider(provider)
-    _provider = provider
+    return provider
 
 
-def shutdown_tracing(timeout_seconds: float = 5.0) -> None:
-    global _provider
-    if _provider is None:
+def shutdown_provider(provider: Any, timeout_seconds: float = 5.0) -> None:
+    """Flush and shut down a provider built by provider_from_env (bounded)."""
+    if provider is None:
         return
     try:
-        _provider.force_flush(timeout_millis=int(timeout_seconds * 1000))
-        _provider.shutdown()
+        provider.force_flush(timeout_millis=int(timeout_seconds * 1000))
+        provider.shutdown()
     except Exception as exc:  # never let telemetry break an exit
         logger.warning("tracing shutdown: %s", exc, extra={"action": "tracing_shutdown_failed"})
-    _provider = None
 
 
 def run_context(run_id: uuid.UUID, traceparent: str | None) -> otel_context.Context:
@@ -123,10 +138,11 @@ def run_context(run_id: uuid.UUID, traceparent: str | None) -> otel_context.Cont
 def process_span(run_id: uuid.UUID, tenant: str, handler: str, attempt: int,
                  traceparent: str | None) -> Iterator[Span | None]:
     """The span of one attempt, current while the handler runs (None when tracing is off)."""
-    if _provider is None:
+    tracer = _tracer.get()
+    if tracer is None:
         yield None
         return
-    span = tracer().start_span(
+    span = tracer.start_span(
         f"process {handler}", context=run_context(run_id, traceparent), kind=SpanKind.CONSUMER,
         attributes={RUN_ID: str(run_id), TENANT: tenant, HANDLER: handler, ATTEMPT: attempt})
     with trace.use_span(span, end_on_exit=True):
@@ -145,16 +161,17 @@ def finish(span: Span | None, outcome: str, error: str | None = None) -> None:
 
 def event(name: str, **attributes: Any) -> None:
     """An event on the current span (a checkpoint hit, say); nothing when tracing is off."""
-    if _provider is not None:
+    if _tracer.get() is not None:
         trace.get_current_span().add_event(name, attributes)
 
 
 @contextmanager
 def tool_span(name: str, call_id: str) -> Iterator[Span | None]:
-    if _provider is None:
+    tracer = _tracer.get()
+    if tracer is None:
         yield None
         return
-    with tracer().start_as_current_span(
+    with tracer.start_as_current_span(
             f"execute_tool {name}", kind=SpanKind.INTERNAL,
             attributes={GENAI_OPERATION: "execute_tool", GENAI_TOOL_NAME: name,
                         GENAI_TOOL_CALL_ID: call_id}) as span:
@@ -163,10 +180,11 @@ def tool_span(name: str, call_id: str) -> Iterator[Span | None]:
 
 @contextmanager
 def model_span(model: str) -> Iterator[Span | None]:
-    if _provider is None:
+    tracer = _tracer.get()
+    if tracer is None:
         yield None
         return
-    with tracer().start_as_current_span(
+    with tracer.start_as_current_span(
             f"chat {model}", kind=SpanKind.CLIENT,
             attributes={GENAI_OPERATION: "chat", GENAI_REQUEST_MODEL: model}) as span:
         yield span

@@ -28,7 +28,7 @@ from .cancellation import Canceller
 from .claiming import ClaimedRun, claim, claim_statements
 from .context import Run
 from .db import again, bounded, open_pool
-from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
+from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown, WorkerFailed
 from .listener import ClaimBudget, Listener
 from .outcomes import Outcome, OutcomeWriter
 from .queries import QUERIES
@@ -45,8 +45,13 @@ REAP_INTERVAL = 1.0
 
 
 class Worker:
-    def __init__(self, settings: Settings, app: App, dsn: str) -> None:
+    def __init__(self, settings: Settings, app: App, dsn: str, *,
+                 tracer_provider: Any = None) -> None:
         self.id = uuid.uuid4()
+        # None: the global provider, if its host installed one (see telemetry).
+        self.tracer_provider = tracer_provider
+        # Set once the worker is registered and claiming (what an embedded Pool waits for).
+        self.ready = asyncio.Event()
         self.settings = settings
         self.app = app
         self.dsn = dsn
@@ -81,7 +86,7 @@ class Worker:
     async def run(self, stop: asyncio.Event, abort: asyncio.Event) -> None:
         """Work until `stop` (drain: finish or release in-flight runs) or `abort` (release now)."""
         s = self.settings
-        telemetry.setup_tracing(self.id)
+        telemetry.activate(self.tracer_provider)
         self._pool = await open_pool(self.dsn, size=s.connections, name=f"runpool-{os.getpid()}")
         side: list[asyncio.Task[None]] = []
         try:
@@ -104,6 +109,7 @@ class Worker:
                 "worker started: concurrency %d, handlers %s", s.concurrency, self.app.names,
                 extra={"action": "worker_started", **self._log},
             )
+            self.ready.set()
             stopper = asyncio.create_task(self._relay(stop))
             try:
                 await self._loop(stop)
@@ -118,10 +124,10 @@ class Worker:
             await asyncio.gather(*side, return_exceptions=True)
             await self._unregister()
             await self._pool.close()
-            await asyncio.to_thread(telemetry.shutdown_tracing)
             logger.info("worker stopped", extra={"action": "worker_stopped", **self._log})
         if self._side_failure is not None:
-            raise RuntimeError("a worker side task failed") from self._side_failure
+            raise WorkerFailed(f"worker {self.id} stopped: its side task failed:"
+                               f" {self._side_failure!r}") from self._side_failure
 
     async def _relay(self, stop: asyncio.Event) -> None:
         await stop.wait()

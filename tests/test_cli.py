@@ -1,14 +1,25 @@
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import psycopg
+import pytest
+from psycopg.types.json import Jsonb
 
+import checkpoints
 import runpool
-from tests.helpers import ROOT, pool_env, run_row
+from runpool import cli as runpool_cli
+from runpool.db import aconnect, connect
+from runpool.migrate import applied_versions, check, migrate, migrations
+from tests.helpers import ROOT, pool_env, run_row, wait_for
 
 
 def cli(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -92,11 +103,129 @@ def test_bad_settings__refused_before_anything_starts(dsn: str) -> None:
                          env=pool_env(dsn, lease_seconds="-1"), cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "lease_seconds must be > 0" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "runpool", "--app", "no.such.module:app"],
-                         env=pool_env(dsn), cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "cannot import app module" in out.stderr
+
+
+def test_app_that_cannot_be_loaded__exits_78_as_documented(dsn: str) -> None:
+    # 78 is "cannot run here as configured" (README, `--help`); it used to be 1.
+    for app, says in (("no.such.module:app", "cannot import app module"),
+                      ("tests.apps:no_such_attribute", "is not a runpool.App"),
+                      ("tests.helpers:wait_for", "is not a runpool.App")):
+        out = subprocess.run([sys.executable, "-m", "runpool", "worker", "--app", app],
+                             env=pool_env(dsn), cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 78 and says in out.stderr, (app, out.stderr)
 
 
 def test_commands_on_an_unmigrated_database__name_the_fix(empty_dsn: str) -> None:
     out = cli(empty_dsn, "enqueue", "acme", "noop")
     assert out.returncode == 1 and "python -m runpool migrate" in out.stderr, out.stderr
+
+
+# -- the pool command, flags and version ------------------------------------------------------
+
+LISTENERS = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND query LIKE 'LISTEN runpool_wakeup%%'
+"""
+
+
+def test_version__flag_and_attribute_agree(dsn: str) -> None:
+    out = cli(dsn, "--version")
+    assert (out.returncode, out.stdout.strip()) == (0, f"runpool {runpool.__version__}")
+    assert runpool.__version__ == "0.1.0"
+
+
+def test_worker_command__its_own_help_and_app_flag(conn: psycopg.Connection,
+                                                   dsn: str) -> None:
+    out = cli(dsn, "worker", "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m runpool worker")
+    assert "--app APP" in out.stdout and "--listen, --no-listen" in out.stdout
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runpool", "worker", "--app", "tests.apps:app", "--workers",
+         "1", "--no-listen", "--poll", "0.2"],
+        env=pool_env(dsn), cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=20,
+                 what="the run, picked up by polling")
+        # --no-listen: no worker holds a LISTEN connection.
+        assert conn.execute(LISTENERS).fetchone() == (0,)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_boolean_flags__yes_and_no_forms_win_over_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def listen(*argv: str) -> bool:
+        return runpool_cli._settings(runpool_cli._parser().parse_args(["worker", *argv])).listen
+
+    monkeypatch.setenv("RUNPOOL_LISTEN", "0")
+    assert (listen(), listen("--listen"), listen("--no-listen")) == (False, True, False)
+    monkeypatch.setenv("RUNPOOL_LISTEN", "1")
+    assert (listen(), listen("--no-listen")) == (True, False)
+
+
+# -- migrate --sql ------------------------------------------------------------------------------
+
+def _psql() -> str:
+    found = shutil.which("psql")
+    if found:
+        return found
+    import pgserver  # the embedded server's binaries include psql
+
+    return str(Path(pgserver.__file__).parent / "pginstall" / "bin" / "psql")
+
+
+def test_migrate_sql__piped_to_psql_creates_the_schema(empty_dsn: str) -> None:
+    script = cli(empty_dsn, "migrate", "--sql")
+    assert script.returncode == 0, script.stderr
+    for _ in range(2):  # the second time, on the migrated database: nothing left to do
+        applied = subprocess.run([_psql(), "-X", "-q", "-v", "ON_ERROR_STOP=1", empty_dsn],
+                                 input=script.stdout, capture_output=True, text=True,
+                                 timeout=60)
+        assert applied.returncode == 0, applied.stderr
+        with connect(empty_dsn, autocommit=True) as conn:
+            check(conn)  # what a worker checks before it starts
+            assert applied_versions(conn) == {m.version for m in migrations()}
+            assert migrate(conn) == []
+            runpool.enqueue(conn, "acme", "noop")
+        script = cli(empty_dsn, "migrate", "--sql")
+        assert "CREATE TABLE runpool.runs" not in script.stdout
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def test_lease_lost__is_a_runpool_error_and_checkpoints_imports_no_runpool() -> None:
+    assert issubclass(runpool.LeaseLost, runpool.RunpoolError)
+    assert issubclass(runpool.LeaseLost, checkpoints.LeaseLost)
+    assert issubclass(runpool.DatabaseTimeout, TimeoutError)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, checkpoints; print(sorted(m for m in sys.modules"
+                               " if m.split('.')[0] == 'runpool'))"],
+        env=pool_env(""), cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_refused_checkpoint_write_and_detached_run__raise_runpool_errors(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")  # queued: no attempt holds its lease
+
+    async def main() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            with pytest.raises(runpool.RunpoolError) as info:
+                await checkpoints.append_message(c, run_id, 1, "assistant", Jsonb("late"))
+            assert isinstance(info.value, runpool.LeaseLost)
+        detached = runpool.Run(id=run_id, tenant="acme", handler="noop", attempt=1, input={})
+        with pytest.raises(runpool.RunpoolError, match="not attached to a database"):
+            await detached.add_message("assistant", "hello")
+        with pytest.raises(runpool.UsageError, match="plain `def` handlers"):
+            detached.add_message_sync("assistant", "hello")  # on the loop: would hang it
+
+    asyncio.run(main())

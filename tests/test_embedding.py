@@ -1,0 +1,259 @@
+"""runpool.Pool inside one asyncio program: real database, real runs, no fork, no signal
+handlers, no tracer provider taken over; drain finishes or releases what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from psycopg.rows import dict_row
+
+import runpool
+from runpool.db import aconnect
+from tests.helpers import ROOT, assert_invariants, pool_env
+
+# The host application's own handlers (an embedded pool takes an App object).
+app = runpool.App()
+
+
+def shout(arguments: Any, key: str) -> Any:
+    return arguments["text"].upper()
+
+
+@app.handler("echo")
+async def echo(run: runpool.Run) -> Any:
+    loud = await run.tool("c1", "shout", {"text": run.input["text"]}, shout)
+    await run.add_message("assistant", loud)
+    return {"echo": loud, "pid": os.getpid()}
+
+
+@app.handler("echo_sync")
+def echo_sync(run: runpool.Run) -> Any:
+    return {"echo": run.tool_sync("c1", "shout", {"text": run.input["text"]}, shout)}
+
+
+@app.handler("wait")
+async def wait(run: runpool.Run) -> Any:
+    await asyncio.sleep(float(run.input["seconds"]))
+    return {"waited": run.input["seconds"]}
+
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGCHLD)
+
+
+async def until(check: Callable[[], Awaitable[Any]], what: str, seconds: float = 15.0) -> Any:
+    """Poll an async predicate (without blocking the loop the pool runs on) until truthy."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def statuses(c: psycopg.AsyncConnection[Any], ids: list[uuid.UUID]) -> dict[uuid.UUID, str]:
+    cur = await c.execute("SELECT id, status FROM runpool.runs WHERE id = ANY(%s)", (ids,))
+    return dict(await cur.fetchall())
+
+
+async def row(c: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> dict[str, Any]:
+    cur = c.cursor(row_factory=dict_row)
+    await cur.execute("SELECT * FROM runpool.runs WHERE id = %s", (run_id,))
+    found = await cur.fetchone()
+    assert found is not None
+    return found
+
+
+def children() -> set[int]:
+    """This process's child processes (Linux /proc: every thread lists its own)."""
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        pids |= {int(p) for p in (task / "children").read_text().split()}
+    return pids
+
+
+def test_embedded_pool__runs_runs_in_the_hosts_loop_touching_nothing_process_wide(
+        conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With an OTLP endpoint configured, a worker process builds and installs a provider; an
+    # embedded pool must not: the global provider is the host's business.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    ids = [runpool.enqueue(conn, "acme", "echo", {"text": f"hi {i}"}) for i in range(6)]
+    ids += [runpool.enqueue(conn, "globex", "echo_sync", {"text": "sync"})]
+
+    def process_wide() -> tuple[Any, ...]:
+        wakeup_fd = signal.set_wakeup_fd(-1)  # read it (and put it back): add_signal_handler
+        signal.set_wakeup_fd(wakeup_fd)       # would have set one
+        return ({s: signal.getsignal(s) for s in SIGNALS}, wakeup_fd,
+                trace.get_tracer_provider(), children())
+
+    async def main() -> None:
+        before = process_wide()  # in the loop: asyncio.run installs its own SIGINT handler
+        host_ticks = 0
+
+        async def host_work() -> None:  # the application's own work goes on meanwhile
+            nonlocal host_ticks
+            while True:
+                await asyncio.sleep(0.01)
+                host_ticks += 1
+
+        ticker = asyncio.create_task(host_work())
+        async with await aconnect(dsn, autocommit=True) as c:
+            async with runpool.Pool(app, dsn=dsn, concurrency=3, poll_seconds=0.2) as pool:
+                assert isinstance(pool.worker_id, uuid.UUID)
+                done = await until(lambda: _all_succeeded(c, ids), "every run")
+                assert done
+                assert process_wide() == before
+                cur = await c.execute(
+                    "SELECT count(*) FROM runpool.workers WHERE id = %s AND stopped_at IS NULL",
+                    (pool.worker_id,))
+                assert await cur.fetchone() == (1,)
+            first = await row(c, ids[0])
+            assert first["result"] == {"echo": "HI 0", "pid": os.getpid()}
+            assert (await row(c, ids[-1]))["result"] == {"echo": "SYNC"}
+            cur = await c.execute("SELECT stopped_at IS NOT NULL FROM runpool.workers")
+            assert await cur.fetchall() == [(True,)]
+        ticker.cancel()
+        assert host_ticks > 10
+        assert process_wide() == before
+
+    asyncio.run(main())
+    assert_invariants(conn)
+
+
+async def _all_succeeded(c: psycopg.AsyncConnection[Any], ids: list[uuid.UUID]) -> bool:
+    return set((await statuses(c, ids)).values()) == {"succeeded"}
+
+
+def test_drain__finishes_what_fits_the_grace_and_releases_the_rest(
+        conn: psycopg.Connection, dsn: str) -> None:
+    short = runpool.enqueue(conn, "acme", "wait", {"seconds": 0.5})
+    long = runpool.enqueue(conn, "acme", "wait", {"seconds": 60})
+
+    async def main() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            pool = runpool.Pool(app, dsn=dsn, concurrency=4, grace_seconds=2,
+                                poll_seconds=0.2)
+            async with pool:
+                await until(lambda: _both_running(c, [short, long]), "both runs started")
+                assert pool.in_flight == 2
+                started = time.monotonic()
+                await pool.drain()
+                took = time.monotonic() - started
+                assert pool.in_flight == 0
+            # The short run finished within the grace; the long one went back to the queue
+            # at the grace's end, its attempt not counted against max_attempts.
+            assert 1.5 < took < 10, took
+            assert (await row(c, short))["status"] == "succeeded"
+            released = await row(c, long)
+            assert (released["status"], released["lease_expires_at"]) == ("queued", None)
+            cur = await c.execute("SELECT kind FROM runpool.run_events WHERE run_id = %s"
+                                  " ORDER BY id", (long,))
+            assert [k for (k,) in await cur.fetchall()][-1] == "released"
+
+    asyncio.run(main())
+    assert_invariants(conn, all_terminal=False)
+
+
+async def _both_running(c: psycopg.AsyncConnection[Any], ids: list[uuid.UUID]) -> bool:
+    return set((await statuses(c, ids)).values()) == {"running"}
+
+
+def test_tracer_provider__the_given_one_gets_every_span(conn: psycopg.Connection,
+                                                        dsn: str) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    run_id = runpool.enqueue(conn, "acme", "echo", {"text": "traced"})
+    global_before = trace.get_tracer_provider()
+
+    async def main() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            async with runpool.Pool(app, dsn=dsn, concurrency=2, poll_seconds=0.2,
+                                    tracer_provider=provider):
+                await until(lambda: _all_succeeded(c, [run_id]), "the run")
+
+    asyncio.run(main())
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"process echo", "execute_tool shout"} <= set(spans), sorted(spans)
+    process = spans["process echo"]
+    assert process.attributes is not None
+    assert process.attributes["runpool.run.id"] == str(run_id)
+    assert process.context is not None and process.context.trace_id == run_id.int
+    assert trace.get_tracer_provider() is global_before
+
+
+# Run in a fresh interpreter: a global tracer provider can be installed once per process.
+_GLOBAL_PROVIDER_HOST = """
+import asyncio, json, sys, uuid
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+import psycopg, runpool
+from tests.test_embedding import app
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)  # the host application's own tracing
+dsn = sys.argv[1]
+
+async def main():
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        run_id = runpool.enqueue(conn, "acme", "echo", {"text": "global"})
+    async with runpool.Pool(app, dsn=dsn, concurrency=1, poll_seconds=0.1):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for _ in range(300):
+                status = conn.execute("SELECT status FROM runpool.runs WHERE id = %s",
+                                      (run_id,)).fetchone()[0]
+                if status == "succeeded":
+                    break
+                await asyncio.sleep(0.05)
+    print(json.dumps({"status": status, "same_provider": trace.get_tracer_provider() is provider,
+                      "spans": sorted(s.name for s in exporter.get_finished_spans())}))
+
+asyncio.run(main())
+"""
+
+
+def test_tracer_provider__the_hosts_global_one_when_none_is_given(dsn: str) -> None:
+    out = subprocess.run([sys.executable, "-c", _GLOBAL_PROVIDER_HOST, dsn], env=pool_env(dsn),
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["status"] == "succeeded" and report["same_provider"]
+    assert {"process echo", "execute_tool shout"} <= set(report["spans"]), report
+
+
+def test_bad_arguments__runpool_errors_before_anything_starts(dsn: str,
+                                                              empty_dsn: str) -> None:
+    with pytest.raises(runpool.InvalidInput, match="unknown Pool option"):
+        runpool.Pool(app, dsn=dsn, concurency=3)
+    with pytest.raises(runpool.AppNotFound, match="cannot import app module"):
+        runpool.Pool("no.such.module:app", dsn=dsn)
+    with pytest.raises(runpool.InvalidInput, match="concurrency must be between"):
+        runpool.Pool(app, dsn=dsn, concurrency=0)
+
+    async def main() -> None:
+        with pytest.raises(runpool.SchemaOutOfDate, match="python -m runpool migrate"):
+            async with runpool.Pool("tests.apps:app", dsn=empty_dsn):
+                raise AssertionError("a pool on an unmigrated database must not start")
+
+    asyncio.run(main())
