@@ -80,6 +80,9 @@ class Worker:
                                            thread_name_prefix="runpool-run")
         # 0, or EXIT_STUCK once a run's thread outlived its grace: the process must end it.
         self.exit_code = 0
+        # Set when a stuck thread's run may already run elsewhere (its lease is lost): the
+        # drain skips its grace, so the thread dies as soon as possible.
+        self._hurry = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -484,14 +487,17 @@ class Worker:
             slot.task.cancel()
         asyncio.get_running_loop().call_later(
             self.settings.cancel_grace_seconds, self.stuck_check, slot,
-            "outlived the loss of its lease by the cancel grace")
+            "outlived the loss of its lease by the cancel grace", True)
 
     # -- threads that cannot be stopped --------------------------------------------------------
 
-    def stuck_check(self, slot: Slot, why: str) -> None:
-        """Past a grace period: a run whose thread still runs makes this worker exit."""
+    def stuck_check(self, slot: Slot, why: str, lost: bool = False) -> None:
+        """Past a grace period: a run whose thread still runs makes this worker exit (`lost`:
+        the run's lease is gone, so it exits at once, releasing its other runs)."""
         if self.slots.get(slot.claimed.id) is slot and slot.run._threads_running:
             self._stuck([slot], why)
+            if lost:
+                self._hurry.set()
 
     def _stuck(self, slots: list[Slot], why: str) -> None:
         """A thread cannot be stopped, and its run may not run anywhere else meanwhile: this
@@ -513,16 +519,19 @@ class Worker:
 
     async def _drain(self, abort: asyncio.Event) -> None:
         tasks = {s.task for s in self.slots.values() if s.task is not None}
-        if tasks and not abort.is_set():
+        hurry = (abort, self._hurry)
+        if tasks and not any(e.is_set() for e in hurry):
             logger.info("draining %d runs for up to %.1fs", len(tasks),
                         self.settings.grace_seconds, extra={"action": "drain", **self._log})
             deadline = time.monotonic() + self.settings.grace_seconds
-            aborted = asyncio.ensure_future(abort.wait())
-            while tasks and not abort.is_set() and (left := deadline - time.monotonic()) > 0:
+            aborted = [asyncio.ensure_future(e.wait()) for e in hurry]
+            while (tasks and not any(e.is_set() for e in hurry)
+                   and (left := deadline - time.monotonic()) > 0):
                 done, _ = await asyncio.wait(
-                    [*tasks, aborted], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                    [*tasks, *aborted], timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 tasks -= done
-            aborted.cancel()
+            for waiter in aborted:
+                waiter.cancel()
         unfinished = [s for s in self.slots.values() if not s.finishing]
         for slot in unfinished:
             if slot.stop_reason is None:

@@ -207,3 +207,25 @@ def test_sync_methods_called_on_the_event_loop__a_clear_error_not_a_hung_worker(
             run.tool_sync("c0", "t", {}, lambda arguments, key: None)
 
     asyncio.run(main())
+
+
+def test_lease_loss__a_stuck_thread_makes_its_worker_exit_without_waiting_for_the_grace(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Its run may already run elsewhere: the worker releases its other runs and exits after
+    the cancel grace, not after a 30 s drain; the other run is resumed at once."""
+    stuck = runpool.enqueue(conn, "acme", "plain_steps", {
+        "steps": 600, "step": 0.1, "later_steps": 1})
+    other = runpool.enqueue(conn, "acme", "sleep", {"seconds": 3})
+    with running_pool(dsn, concurrency=2, cancel_grace_seconds=1, grace_seconds=30,
+                      lease_seconds=3, poll_seconds=0.5) as pool:
+        wait_for(lambda: steps(conn, stuck) >= 2 and status_of(conn, other) == "running",
+                 what="both runs to start")
+        conn.execute("UPDATE runpool.runs SET lease_expires_at = now() - interval '1 second'"
+                     " WHERE id = %s", (stuck,))
+        wait_for(lambda: "exited to end a handler thread" in pool.log(), timeout=12,
+                 what="the worker to exit")
+        wait_for(lambda: status_of(conn, stuck) == status_of(conn, other) == "succeeded",
+                 timeout=30, what="both runs to finish")
+        assert "released 1 runs" in pool.log()
+    assert_no_overlap(conn, stuck)
+    assert_invariants(conn)
