@@ -195,8 +195,46 @@ async def _claim_latencies(dsn: str, claims: int) -> list[float]:
     return times
 
 
+# W6's claim-cost cases (issue 11): beside 1,000 runs that can start now, 20,000 runs
+# scheduled for tomorrow, or 2,000 paused tenants with one run each. Loaded through the SQL
+# API, which is what keeps such runs out of the claim's path.
+LOAD_SCHEDULED: Final = """
+SELECT count(runpool.enqueue('later', 'noop', run_at => now() + interval '1 day'))
+FROM generate_series(1, 20000)
+"""
+PAUSE_TENANTS: Final = """
+SELECT count(runpool.set_tenant_quota('paused' || g, 0)) FROM generate_series(1, 2000) g
+"""
+LOAD_PAUSED: Final = """
+SELECT count(runpool.enqueue('paused' || g, 'noop')) FROM generate_series(1, 2000) g
+"""
+W6_COST_CASES: Final = {"empty": (), "scheduled_20k": (LOAD_SCHEDULED,),
+                        "paused_2k": (PAUSE_TENANTS, LOAD_PAUSED)}
+
+
+def w6_claim_cost(server: str, *, claims: int = 300) -> dict[str, Any]:
+    """W6 (claim cost): claim latency with 1,000 ready runs alone, beside 20,000 runs
+    scheduled for tomorrow, and beside 2,000 paused tenants with one run each."""
+    out: dict[str, Any] = {"workload": "W6cost"}
+    for label, loads in W6_COST_CASES.items():
+        with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
+            conn.execute(LOAD_TENANTS)
+            conn.execute(LOAD_BACKLOG, {"depth": 1000, "big": 0})
+            for load in loads:
+                conn.execute(load)
+            conn.execute("VACUUM ANALYZE runpool.runs")
+            times = asyncio.run(_claim_latencies(dsn, claims))
+        out[f"p50_ms_{label}"] = round(percentile(times, 50), 3)
+        out[f"p99_ms_{label}"] = round(percentile(times, 99), 3)
+    for label in ("scheduled_20k", "paused_2k"):
+        out[f"p50_ratio_{label}_to_empty"] = round(out[f"p50_ms_{label}"]
+                                                   / out["p50_ms_empty"], 2)
+    return out
+
+
 def w6_claim_depth(server: str, *, claims: int = 300) -> dict[str, Any]:
-    """W6: claim latency at 1k / 100k / 1M queued runs, 90% of them one tenant's at quota."""
+    """W6: claim latency at 1k / 100k / 1M queued runs, 90% of them one tenant's at quota;
+    then the claim-cost cases of w6_claim_cost."""
     out: dict[str, Any] = {"workload": "W6"}
     for label, depth in (("1k", 1_000), ("100k", 100_000), ("1m", 1_000_000)):
         with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
@@ -207,7 +245,9 @@ def w6_claim_depth(server: str, *, claims: int = 300) -> dict[str, Any]:
         out[f"p50_ms_{label}"] = round(percentile(times, 50), 3)
         out[f"p99_ms_{label}"] = round(percentile(times, 99), 3)
     out["p50_ratio_1m_to_1k"] = round(out["p50_ms_1m"] / out["p50_ms_1k"], 2)
-    return out
+    cost = w6_claim_cost(server, claims=claims)
+    del cost["workload"]
+    return out | cost
 
 
 def w7_checkpoint_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
@@ -302,6 +342,7 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W3": w3_idle,
     "W5": w5_fairness,
     "W6": w6_claim_depth,
+    "W6cost": w6_claim_cost,
     "W7": w7_checkpoint_cost,
     "W8": w8_resume_cost,
     "W9": w9_cancel_latency,
