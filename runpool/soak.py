@@ -40,9 +40,12 @@ from .pool_process import pool_process, worker_pids
 from .proxy import Proxy
 from .settings import Settings
 
-__all__ = ["app", "run_soak"]
+__all__ = ["app", "other_app", "run_soak"]
 
 app = App()
+# A second application with a pool of its own (a mixed fleet): `app`'s pool must leave its
+# runs alone, and they must all be run by this one.
+other_app = App()
 
 # Where tools record their executions: the database itself, not through the proxy, so the
 # evidence survives the faults the soak injects.
@@ -66,6 +69,9 @@ SELECT id, status, error ->> 'reason' FROM runpool.runs WHERE id = ANY(%s)
 SLOWEST_CANCEL: Final = """
 SELECT max(extract(epoch FROM finished_at - cancel_requested_at)) FROM runpool.runs
 WHERE status = 'cancelled' AND started_at IS NOT NULL"""
+# Runs a pool failed for a handler it does not serve (a mixed fleet: must be none).
+FOREIGN_FAILED: Final = """
+SELECT count(*) FROM runpool.runs WHERE error->>'reason' = 'unknown_handler'"""
 
 
 @app.handler("agent")
@@ -128,6 +134,12 @@ async def flaky(run: Run) -> Any:
     return None
 
 
+@other_app.handler("other")
+async def other(run: Run) -> Any:
+    await asyncio.sleep(0.05)
+    return {"attempt": run.attempt}
+
+
 @app.handler("poison")
 async def poison(run: Run) -> Any:
     """Kills its worker on every attempt: must end failed without hurting anyone else."""
@@ -151,7 +163,7 @@ def _random_run(rng: random.Random) -> dict[str, Any]:
     elif kind == "plain":
         spec["input"] = {"steps": rng.randint(1, 4), "tool_seconds": rng.choice([0.01, 0.1, 0.3])}
     elif kind == "unknown":
-        spec["handler"] = "no_such_handler"
+        spec["handler"] = "other"  # only other_app's pool serves it
     return spec
 
 
@@ -168,13 +180,17 @@ class Soak:
         self.faults: Counter[str] = Counter()
         self.problems: list[str] = []
         self._timers: list[threading.Timer] = []
+        # Transactions a caller holds open (api_session), and what counting runs must not
+        # interleave with (bad_input checks that a refusal wrote nothing).
+        self._held: list[psycopg.Connection[Any]] = []
+        self._counting = threading.Lock()
 
     def tick(self) -> None:
         actions: dict[Callable[[], None], float] = {
             self.enqueue_batch: 6, self.cancel_one: 2, self.kill_worker: 0.6,
             self.freeze_worker: 0.4, self.terminate_backend: 0.8, self.cut: 0.5,
             self.blackhole: 0.3, self.race_idempotency: 0.7, self.bad_input: 1,
-            self.poison_input: 0.5, self.notify_flood: 0.3,
+            self.poison_input: 0.5, self.notify_flood: 0.3, self.api_session: 0.8,
         }
         action = self.rng.choices(list(actions), list(actions.values()))[0]
         action()
@@ -233,14 +249,15 @@ class Soak:
                                                             serial_key="")),
         ]
         name, attempt = self.rng.choice(attempts)
-        before = self._count()
-        try:
-            attempt()
-            self.problems.append(f"bad input {name} was accepted")
-        except InvalidInput:
-            pass
-        if self._count() != before:
-            self.problems.append(f"bad input {name} wrote a run")
+        with self._counting:
+            before = self._count()
+            try:
+                attempt()
+                self.problems.append(f"bad input {name} was accepted")
+            except InvalidInput:
+                pass
+            if self._count() != before:
+                self.problems.append(f"bad input {name} wrote a run")
         # Injection attempts are data: a run for a strange tenant, and a NULL answer.
         self.conn.execute("SELECT runpool.cancel_run(gen_random_uuid(),"
                           " $$'); DROP TABLE runpool.runs; --$$)")
@@ -272,6 +289,44 @@ class Soak:
         return int(row[0]) if row else 0
 
     # -- faults -----------------------------------------------------------------------------
+
+    def api_session(self) -> None:
+        """A caller's transaction left open for up to 1.5 leases after a cancel of a running
+        run (which locks its row), a cancel refused for another tenant, or a serial-key
+        enqueue (which holds its key's lock): no worker may stall or lose work for it."""
+        kind = self.rng.choice(["cancel", "refused_cancel", "serial_enqueue"])
+        conn = connect(self.dsn)
+        try:
+            if kind == "serial_enqueue":
+                enqueue(conn, "t3", "agent", {"steps": 1},
+                        serial_key=self.rng.choice(SERIAL_KEYS))
+            else:
+                row = conn.execute("SELECT id, tenant FROM runpool.runs WHERE status = 'running'"
+                                   " ORDER BY random() LIMIT 1").fetchone()
+                if row is None:
+                    conn.close()
+                    return
+                tenant = row[1] if kind == "cancel" else "intruder"
+                answer = conn.execute("SELECT runpool.cancel_run(%s, 'held open', %s)",
+                                      (row[0], tenant)).fetchone()
+                if kind == "refused_cancel" and answer != (None,):
+                    self.problems.append(f"a cancel for another tenant answered {answer}")
+        except psycopg.Error:
+            conn.close()
+            return
+        self._held.append(conn)
+        timer = threading.Timer(self.rng.uniform(0.2, LEASE * 1.5), self._release_held, (conn,))
+        timer.start()
+        self._timers.append(timer)
+        self.faults[f"api_session_{kind}_held"] += 1
+
+    def _release_held(self, conn: psycopg.Connection[Any]) -> None:
+        with self._counting:
+            try:
+                conn.commit()
+            except psycopg.Error:
+                pass
+            conn.close()
 
     def workers(self) -> list[int]:
         return worker_pids(self.pool.pid)
@@ -315,6 +370,9 @@ class Soak:
         self.proxy.blackholed.clear()
         for pid in self.workers():
             _resume(pid)
+        for conn in self._held:
+            if not conn.closed:
+                self._release_held(conn)
 
 
 def _resume(pid: int) -> None:
@@ -341,7 +399,9 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
             with unprivileged_login(pool_dsn) as hostile, Watch(dsn) as watch, pool_process(
                     proxy.dsn(pool_dsn), "runpool.soak:app", workers=2, concurrency=8,
                     lease_seconds=LEASE, poll_seconds=POLL, cancel_grace_seconds=CANCEL_GRACE,
-                    grace_seconds=5) as pool:
+                    grace_seconds=5) as pool, pool_process(
+                    proxy.dsn(pool_dsn), "runpool.soak:other_app", workers=1, concurrency=4,
+                    lease_seconds=LEASE, poll_seconds=POLL, grace_seconds=5):
                 # Named as the driver's, so the faults spare its connections too.
                 hostile_dsn = make_conninfo(hostile, application_name=DRIVER)
                 soak = Soak(dsn, proxy, pool, rng, hostile_dsn)
@@ -362,7 +422,10 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
             # worker may be dead or frozen for a while, so the bound is a generous one.
             report = check(conn, watch=watch, cancel_bound=CANCEL_BOUND)
             slowest = conn.execute(SLOWEST_CANCEL).fetchone()
+            foreign = conn.execute(FOREIGN_FAILED).fetchone()
     violations = [*soak.problems, *report.violations]
+    if foreign and foreign[0]:
+        violations.append(f"{foreign[0]} runs failed as unknown to a pool of the mixed fleet")
     if not drained:
         violations.append(f"runs still not ended {drain_timeout:g} s after the faults stopped")
     print(json.dumps({
