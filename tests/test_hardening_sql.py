@@ -335,3 +335,30 @@ def test_defect10_a_pool_logged_in_with_only_the_worker_role_runs_everything(
     finally:
         conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(login)))
         conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(login)))
+
+
+# -- defect 11: heartbeats do not queue behind checkpoint writes ------------------------------
+
+def test_defect11_heartbeat__renews_while_checkpoint_writes_hold_every_pooled_connection(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # concurrency 8: a pool of 3 + 8/4 = 5 connections, and 7 agents whose first message
+    # write waits on the table lock below, holding (or queueing for) every one of them.
+    with connect(dsn) as blocker:
+        blocker.execute("LOCK TABLE runpool.messages IN ACCESS EXCLUSIVE MODE")
+        sleeper = runpool.enqueue(conn, "acme", "sleep", {"seconds": 8})
+        for _ in range(7):
+            runpool.enqueue(conn, "acme", "agent", {"steps": 1})
+        with running_pool(dsn, concurrency=8, lease_seconds=6):
+            wait_for(lambda: scalar(conn, "SELECT count(*) FROM pg_locks l JOIN pg_class c"
+                                          " ON c.oid = l.relation WHERE NOT l.granted"
+                                          " AND c.relname = 'messages'") >= 5,
+                     what="every pooled connection waiting on a checkpoint write")
+            before = run_row(conn, sleeper)["lease_expires_at"]
+            # A heartbeat is due every 2 s; the writes' own deadline is 3 s away at least.
+            renewed = wait_for(lambda: run_row(conn, sleeper)["lease_expires_at"] > before,
+                               timeout=2.8, what="a renewal while the writes wait")
+            blocker.rollback()
+            assert renewed
+            wait_for(lambda: run_row(conn, sleeper)["status"] == "succeeded", timeout=20,
+                     what="the sleeper done")
+    assert run_row(conn, sleeper)["attempt"] == 1
