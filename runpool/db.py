@@ -152,8 +152,11 @@ async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
     _idle[conn] = (time.monotonic(), timeout_ms / 2000 if timeout_ms else float("inf"))
 
 
-async def _returned(conn: psycopg.AsyncConnection[Any]) -> None:
-    _, limit = _idle.get(conn, (0.0, float("inf")))
+def _used(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Note when a pooled connection was last used (by bounded(), which every checkpoint,
+    claim and outcome goes through; a pool `reset` callback would defer every return to a
+    background task)."""
+    limit = _idle.get(conn, (0.0, float("inf")))[1]
     _idle[conn] = (time.monotonic(), limit)
 
 
@@ -185,7 +188,6 @@ async def open_pool(dsn: str, *, size: int, name: str) -> AsyncConnectionPool:
                                  else {"application_name": name})},
         configure=_configure_pooled,
         check=_fresh_enough,
-        reset=_returned,
         max_idle=300,
         reconnect_timeout=3600,
     )
@@ -274,6 +276,7 @@ async def bounded(pool: AsyncConnectionPool, seconds: float
             raise
         finally:
             timer.cancel()
+            _used(conn)
             if severed:
                 await conn.close()
 
