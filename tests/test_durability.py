@@ -306,3 +306,41 @@ def test_resolve_tool_call__cli(conn: psycopg.Connection, dsn: str) -> None:
                   run_id) == {"sent": True}
     assert scalar(conn, "SELECT content FROM runpool.messages WHERE run_id = %s AND"
                   " call_id = 'c0'", run_id) == {"sent": True}
+
+
+# -- a cancellation never aborts the commit of a finished tool's result ------------------------
+
+SLOW_COMMIT = """
+CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_sleep(2);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER slow_commit BEFORE UPDATE ON runpool.tool_calls FOR EACH ROW
+WHEN (jsonb_typeof(NEW.result) = 'object' AND NEW.result ? 'slow_commit')
+EXECUTE FUNCTION slow_commit();
+"""
+
+
+def test_drain_ending_during_the_result_commit__the_result_is_committed_first(
+        conn: psycopg.Connection, dsn: str) -> None:
+    import signal
+
+    conn.execute(SLOW_COMMIT)
+    run_id = runpool.enqueue(conn, "acme", "slow_commit")
+    # The cancel API cannot reach a run mid-commit (the commit's fence holds the run row);
+    # a drain whose grace ends then, or the lease watchdog, can.
+    with running_pool(dsn, app=APP, grace_seconds=0.3) as pool:
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM pg_stat_activity"
+                                " WHERE datname = current_database()"
+                                " AND wait_event = 'PgSleep'"), what="the commit in flight")
+        pool.send_signal(signal.SIGTERM)
+        pool.wait(timeout=30)
+    # The tool ran once and its result is committed with its message: the next attempt
+    # returns it instead of running the tool again.
+    assert conn.execute("SELECT status, result, executions FROM runpool.tool_calls"
+                        " WHERE run_id = %s", (run_id,)).fetchall() == [
+        ("succeeded", {"slow_commit": True}, 1)]
+    assert scalar(conn, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
+                  " AND call_id = 'c0'", run_id) == 1
+    assert _executions(conn, run_id) == {"c0": 1}
