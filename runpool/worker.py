@@ -494,10 +494,20 @@ class Worker:
     def stuck_check(self, slot: Slot, why: str, lost: bool = False) -> None:
         """Past a grace period: a run whose thread still runs makes this worker exit (`lost`:
         the run's lease is gone, so it exits at once, releasing its other runs)."""
-        if self.slots.get(slot.claimed.id) is slot and slot.run._threads_running:
+        if self.slots.get(slot.claimed.id) is not slot:
+            return
+        if slot.run._threads_running:
             self._stuck([slot], why)
             if lost:
                 self._hurry.set()
+        elif lost and not slot.finishing:
+            # An async handler that swallowed its cancellation: the run is someone else's now
+            # and every write of this attempt is fenced, so the slot is freed (as a forced
+            # cancel frees it) instead of being held forever; the task ends when it ends.
+            del self.slots[slot.claimed.id]
+            logger.error("run %s: the handler %s; its slot is freed", slot.claimed.id, why,
+                         extra={"action": "slot_forced_free", **slot.extra})
+            self._attention.set()
 
     def _stuck(self, slots: list[Slot], why: str) -> None:
         """A thread cannot be stopped, and its run may not run anywhere else meanwhile: this

@@ -344,3 +344,19 @@ def test_drain_ending_during_the_result_commit__the_result_is_committed_first(
     assert scalar(conn, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
                   " AND call_id = 'c0'", run_id) == 1
     assert _executions(conn, run_id) == {"c0": 1}
+
+
+def test_lease_lost_handler_swallowing_its_cancellation__its_slot_is_freed(
+        conn: psycopg.Connection, dsn: str) -> None:
+    stubborn = runpool.enqueue(conn, "acme", "stubborn")
+    with running_pool(dsn, concurrency=1, lease_seconds=1.5, cancel_grace_seconds=0.5) as pool:
+        wait_for(lambda: run_row(conn, stubborn)["status"] == "running", what="claimed")
+        # The run is taken away (an operator, a reaper): the heartbeat finds its lease gone.
+        conn.execute("UPDATE runpool.runs SET status = 'failed', finished_at = now(),"
+                     " lease_expires_at = NULL WHERE id = %s", (stubborn,))
+        wait_for(lambda: "action=lease_lost" in pool.log(), what="lease loss noticed")
+        # The handler swallows its CancelledError and sleeps on: the worker's only slot must
+        # not stay taken by it.
+        after = runpool.enqueue(conn, "acme", "noop")
+        wait_for(lambda: _done(conn, after), what="the next run in the freed slot")
+    assert run_row(conn, after)["status"] == "succeeded"
