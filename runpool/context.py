@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import inspect
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -76,7 +75,6 @@ class Run:
         write_timeout: float = 30.0,
         messages: Sequence[Message] = (),
         tool_calls: dict[str, ToolCall] | None = None,
-        executor: Executor | None = None,
     ) -> None:
         self.id = id
         self.tenant = tenant
@@ -97,7 +95,6 @@ class Run:
         self._loop = asyncio.get_running_loop()
         # Threads of this run (a plain handler, plain tools) that have not returned yet. A
         # thread cannot be stopped: the worker keeps the run's slot and lease until this empties.
-        self._executor = executor
         self._threads: set[asyncio.Future[Any]] = set()
         # Why the *_sync methods refuse all work (the worker is draining past its grace, or
         # gave up on the run), or None.
@@ -124,16 +121,47 @@ class Run:
         return bool(self._threads)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in a thread, tracked until the thread really returns.
+        """fn(*args) in a thread of its own, tracked until the thread really returns.
 
         Cancelling the awaiting task raises CancelledError here at once, but the thread goes on:
-        its future stays in `_threads` (shielded, never cancelled) until fn returns.
+        its future stays in `_threads` (shielded, never cancelled) until fn returns. A daemon
+        thread, not an executor's: at exit, an interpreter joins executor threads, so a thread
+        that never returns would hold its process (a worker, or an application embedding a
+        Pool) forever; it must end with the process instead.
         """
-        call = functools.partial(contextvars.copy_context().run, fn, *args)
-        thread = self._loop.run_in_executor(self._executor, call)
+        thread: asyncio.Future[T] = self._loop.create_future()
+        context = contextvars.copy_context()
+
+        def body() -> None:
+            try:
+                result = context.run(fn, *args)
+            except BaseException as exc:  # handed to the loop, like an executor would
+                self._settle(thread, None, exc)
+            else:
+                self._settle(thread, result, None)
+
         self._threads.add(thread)
         thread.add_done_callback(self._thread_done)
+        threading.Thread(target=body, name=f"runpool-run-{self.id}", daemon=True).start()
         return await asyncio.shield(thread)
+
+    def _settle(self, thread: asyncio.Future[Any], result: Any, exc: BaseException | None
+                ) -> None:
+        """From the thread: complete its future on the loop."""
+        def settle() -> None:
+            if thread.done():
+                return
+            if exc is None:
+                thread.set_result(result)
+            elif isinstance(exc, asyncio.CancelledError):
+                thread.set_exception(RuntimeError(f"the thread was cancelled: {exc}"))
+            else:
+                thread.set_exception(exc)
+
+        try:
+            self._loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass  # the loop is closed: its worker is gone, nobody waits any more
 
     def _thread_done(self, thread: asyncio.Future[Any]) -> None:
         self._threads.discard(thread)

@@ -14,7 +14,6 @@ import random
 import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -72,12 +71,6 @@ class Worker:
         self.listener: Listener | None = None
         self._claim_budget = ClaimBudget()
         self._log = {"worker_id": str(self.id)}
-        # Plain handlers and plain tools run here, not in the loop's default executor: at exit
-        # asyncio.run waits for that one's threads, and a stuck thread must not hold the
-        # process (a thread cannot be stopped; it ends with its process). Sized so that every
-        # slot's handler thread and a tool thread of each never wait for each other.
-        self._threads = ThreadPoolExecutor(max_workers=2 * settings.concurrency + 4,
-                                           thread_name_prefix="runpool-run")
         # 0, or EXIT_STUCK once a run's thread outlived its grace: the process must end it.
         self.exit_code = 0
         # Set when a stuck thread's run may already run elsewhere (its lease is lost): the
@@ -262,7 +255,7 @@ class Worker:
         # The input is decoded in the slot (_call): a value that cannot be fails this run only.
         run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt, input=None,
                   pool=self._pool, max_message_bytes=self.settings.max_message_bytes,
-                  write_timeout=self.settings.lease_seconds / 2, executor=self._threads)
+                  write_timeout=self.settings.lease_seconds / 2)
         slot = Slot(c, run, deadline=sent + self.settings.lease_seconds,
                      extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
         self.slots[c.id] = slot
@@ -562,7 +555,6 @@ class Worker:
                              if s.stop_reason == "shutdown" and s.claimed.id not in held])
         # The stuck runs' tasks stay (their leases renewed) until the worker's last moment;
         # asyncio.run cancels them then, and they no longer wait for their threads.
-        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _release(self, slots: list[Slot]) -> None:
         if not slots or self._pool is None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import signal
+import subprocess
+import sys
 import uuid
 from datetime import datetime
 from typing import Any
@@ -19,7 +22,9 @@ import pytest
 
 import runpool
 from tests.helpers import (
+    ROOT,
     assert_invariants,
+    pool_env,
     run_row,
     running_pool,
     scalar,
@@ -229,3 +234,53 @@ def test_lease_loss__a_stuck_thread_makes_its_worker_exit_without_waiting_for_th
         assert "released 1 runs" in pool.log()
     assert_no_overlap(conn, stuck)
     assert_invariants(conn)
+
+
+# -- embedded ------------------------------------------------------------------------------
+
+EMBEDDED_HOST = """
+import asyncio, sys, time
+import runpool
+
+app = runpool.App()
+
+@app.handler("stuck")
+def stuck(run):
+    time.sleep(120)  # ignores everything
+
+async def main():
+    pool = runpool.Pool(app, dsn=sys.argv[1], concurrency=1, cancel_grace_seconds=0.5,
+                        grace_seconds=0.5, lease_seconds=3, poll_seconds=0.2)
+    await pool.start()
+    print("started", flush=True)
+    try:
+        await pool.wait()
+    except runpool.WorkerFailed:
+        print("worker failed", pool.exit_code, flush=True)
+
+asyncio.run(main())
+print("host exiting", flush=True)
+"""
+
+
+def test_embedded__a_stuck_thread_does_not_hold_the_host_process_at_exit(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Pool.wait() raises WorkerFailed (exit code 75 for the host); the host's interpreter then
+    exits at once: the stuck thread ends with the process instead of being joined."""
+    run_id = runpool.enqueue(conn, "acme", "stuck")
+    host = subprocess.Popen([sys.executable, "-c", EMBEDDED_HOST, dsn], env=pool_env(dsn),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(lambda: status_of(conn, run_id) == "running", what="the run to start")
+        assert scalar(conn, CANCEL, run_id, "stop") == "cancelling"
+        out, _ = host.communicate(timeout=30)
+    finally:
+        if host.poll() is None:
+            os.killpg(host.pid, signal.SIGKILL)
+            host.wait()
+    assert "worker failed 75" in out and "host exiting" in out, out[-3000:]
+    assert host.returncode == 0, out[-3000:]
+    # Its lease expires; a pool that knows nothing of the thread records the cancel.
+    with running_pool(dsn, poll_seconds=0.5):
+        wait_for(lambda: status_of(conn, run_id) == "cancelled", what="cancelled")
