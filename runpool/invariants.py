@@ -62,6 +62,17 @@ SELECT run_id, call_id, status, attempt, later, total FROM (
 ) calls
 WHERE (status IN ('succeeded', 'failed') AND later <> 1) OR (status = 'unknown' AND total > 1)
 LIMIT 20"""
+# Finished calls also executed by an earlier attempt that ended alive, by its own outcome (its
+# handler raised: retry_scheduled), without committing them: a finished tool's result thrown
+# away (an attempt that crashed, froze or was cut off ends by a reclaim instead).
+_RESULT_THROWN_AWAY: Final = """
+SELECT DISTINCT c.run_id, c.call_id, c.status, c.attempt, l.attempt
+FROM runpool.tool_calls c
+JOIN tool_log l ON (l.run_id, l.call_id) = (c.run_id, c.call_id)
+WHERE c.status <> 'started' AND l.attempt < c.attempt
+  AND EXISTS (SELECT 1 FROM runpool.run_events e WHERE e.run_id = c.run_id
+              AND e.attempt = l.attempt AND e.kind = 'retry_scheduled')
+LIMIT 20"""
 # Writes no lease holder could have made: an attempt newer than the run's, or an older
 # attempt's message after a newer attempt's (a zombie writing after the reclaim).
 _FENCED: Final = """
@@ -137,6 +148,10 @@ def check(conn: psycopg.Connection[Any], *, cancel_bound: float | None = None,
         violations += [
             f"tool call {r}/{c} ({s} by attempt {a}) executed {later} time(s) from that attempt"
             f" on, {total} in all" for r, c, s, a, later, total in _rows(conn, _TOOL_TWICE)]
+        violations += [
+            f"tool call {r}/{c} ({s} by attempt {a}) was executed by attempt {e}, which ended"
+            " alive without committing it (its result thrown away, the tool run again)"
+            for r, c, s, a, e in _rows(conn, _RESULT_THROWN_AWAY)]
     violations += [f"run {r}: {what} (seq {q}) written by fenced attempt {a}"
                    for r, q, a, what in _rows(conn, _FENCED)]
     if cancel_bound is not None:

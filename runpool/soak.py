@@ -5,7 +5,10 @@ A real pool (`python -m runpool`, two workers) runs agent-like handlers against 
 database through a TCP proxy, while the driver enqueues work and, at random, kills and
 freezes workers, terminates their backends, cuts and black-holes their connections, cancels
 runs, races idempotency keys, tries bad input, enqueues poison inputs for one tenant through
-the SQL API and floods NOTIFY from a login with no privileges. Then it heals everything, waits
+the SQL API and floods NOTIFY from a login with no privileges. The database itself is set up
+as production databases often are: sessions idle for 3 s are closed by the server, the default
+isolation is repeatable read, and every idle pool connection is terminated now and then (a
+failover, a restart). Then it heals everything, waits
 for every run to end and prints one JSON line: the faults injected and runpool.invariants'
 report.
 """
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from .app import App
@@ -69,6 +73,14 @@ SELECT id, status, error ->> 'reason' FROM runpool.runs WHERE id = ANY(%s)
 SLOWEST_CANCEL: Final = """
 SELECT max(extract(epoch FROM finished_at - cancel_requested_at)) FROM runpool.runs
 WHERE status = 'cancelled' AND started_at IS NOT NULL"""
+# Database defaults a pool must live with (new sessions get them): the server closes idle
+# sessions, and transactions are repeatable read unless the session says otherwise.
+DATABASE_DEFAULTS: Final = {"idle_session_timeout": "3s",
+                            "default_transaction_isolation": "repeatable read"}
+# Every idle pool connection (workers name theirs runpool-<pid>), terminated at once.
+TERMINATE_IDLE: Final = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name LIKE 'runpool-%%' AND state = 'idle'"""
 # Runs a pool failed for a handler it does not serve (a mixed fleet: must be none).
 FOREIGN_FAILED: Final = """
 SELECT count(*) FROM runpool.runs WHERE error->>'reason' = 'unknown_handler'"""
@@ -188,7 +200,8 @@ class Soak:
     def tick(self) -> None:
         actions: dict[Callable[[], None], float] = {
             self.enqueue_batch: 6, self.cancel_one: 2, self.kill_worker: 0.6,
-            self.freeze_worker: 0.4, self.terminate_backend: 0.8, self.cut: 0.5,
+            self.freeze_worker: 0.4, self.terminate_backend: 0.8, self.terminate_idle: 0.6,
+            self.cut: 0.5,
             self.blackhole: 0.3, self.race_idempotency: 0.7, self.bad_input: 1,
             self.poison_input: 0.5, self.notify_flood: 0.3, self.api_session: 0.8,
         }
@@ -353,6 +366,11 @@ class Soak:
             " ORDER BY random() LIMIT 1", (DRIVER,))
         self.faults["pg_terminate_backend"] += 1
 
+    def terminate_idle(self) -> None:
+        """Every idle pool connection at once, as a failover or a restart does."""
+        row = self.conn.execute(TERMINATE_IDLE).fetchone()
+        self.faults["idle_pool_connections_terminated"] += int(row[0]) if row else 0
+
     def cut(self) -> None:
         self.proxy.cut()
         self.faults["connections_cut"] += 1
@@ -390,6 +408,10 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
         dsn = make_conninfo(pool_dsn, application_name=DRIVER)
         with connect(dsn, autocommit=True) as conn:
             conn.execute(EXECUTIONS_DDL)
+            for setting, value in DATABASE_DEFAULTS.items():
+                conn.execute(sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                    sql.Identifier(conn.info.dbname), sql.Identifier(setting),
+                    sql.Literal(value)))
             for tenant, quota in TENANT_QUOTAS.items():
                 conn.execute("SELECT runpool.set_tenant_quota(%s, %s)", (tenant, quota))
         proxy = Proxy(pool_dsn)

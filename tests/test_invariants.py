@@ -122,3 +122,15 @@ def test_fault_spec__malformed_ones_are_refused() -> None:
                       ("claim.locked=kill,claim.locked=stop", "armed twice")):
         with pytest.raises(runpool.InvalidInput, match=why):
             faults.parse(spec)
+
+
+def test_a_finished_result_thrown_away__is_reported(conn: psycopg.Connection) -> None:
+    """Attempt 1 executed c0 and ended alive (its handler raised: the commit failed) instead
+    of by a crash: attempt 2 running the tool again is a thrown-away result."""
+    run_id = _finished_run(conn)
+    assert _violations(conn) == []  # attempt 1 was reclaimed: interrupted, a legitimate rerun
+    conn.execute("UPDATE runpool.run_events SET kind = 'retry_scheduled'"
+                 " WHERE run_id = %s AND kind = 'reclaimed'", (run_id,))
+    assert _violations(conn) == [
+        f"tool call {run_id}/c0 (succeeded by attempt 2) was executed by attempt 1, which ended"
+        " alive without committing it (its result thrown away, the tool run again)"]
