@@ -77,10 +77,12 @@ WHERE status = 'cancelled' AND started_at IS NOT NULL"""
 # sessions, and transactions are repeatable read unless the session says otherwise.
 DATABASE_DEFAULTS: Final = {"idle_session_timeout": "3s",
                             "default_transaction_isolation": "repeatable read"}
-# Every idle pool connection (workers name theirs runpool-<pid>), terminated at once.
+# Every idle pool connection (workers name theirs runpool-<pid>; the driver's are spared),
+# terminated at once.
 TERMINATE_IDLE: Final = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-WHERE datname = current_database() AND application_name LIKE 'runpool-%%' AND state = 'idle'"""
+WHERE datname = current_database() AND application_name LIKE 'runpool-%%'
+  AND application_name <> %s AND state = 'idle'"""
 # Runs a pool failed for a handler it does not serve (a mixed fleet: must be none).
 FOREIGN_FAILED: Final = """
 SELECT count(*) FROM runpool.runs WHERE error->>'reason' = 'unknown_handler'"""
@@ -368,7 +370,7 @@ class Soak:
 
     def terminate_idle(self) -> None:
         """Every idle pool connection at once, as a failover or a restart does."""
-        row = self.conn.execute(TERMINATE_IDLE).fetchone()
+        row = self.conn.execute(TERMINATE_IDLE, (DRIVER,)).fetchone()
         self.faults["idle_pool_connections_terminated"] += int(row[0]) if row else 0
 
     def cut(self) -> None:
@@ -405,7 +407,9 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
     with scratch_database(resolve_dsn(settings)) as pool_dsn:
-        dsn = make_conninfo(pool_dsn, application_name=DRIVER)
+        # The driver's sessions keep no idle timeout: the faults are for the pool.
+        dsn = make_conninfo(pool_dsn, application_name=DRIVER,
+                            options="-c idle_session_timeout=0")
         with connect(dsn, autocommit=True) as conn:
             conn.execute(EXECUTIONS_DDL)
             for setting, value in DATABASE_DEFAULTS.items():
