@@ -124,7 +124,7 @@ class Canceller:
         w = self._worker
         if w.slots.get(slot.claimed.id) is not slot or slot.finishing:
             return
-        if slot.run._threads_running:
+        if slot.run._threads.running:
             w.stuck_check(slot, "ignored its cancellation past the cancel grace")
             return
         slot.finishing = True

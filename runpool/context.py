@@ -4,9 +4,7 @@ fenced ways to add to it (messages and checkpointed tool calls)."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
-import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
@@ -24,6 +22,7 @@ from checkpoints import CallMismatch, Message, ToolCall
 from . import faults, telemetry
 from .db import dumps, jsonb, loads, retrying
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
+from .threads import RunThreads
 
 __all__ = ["Run", "ToolFn"]
 
@@ -94,8 +93,8 @@ class Run:
         self._write_lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
         # Threads of this run (a plain handler, plain tools) that have not returned yet. A
-        # thread cannot be stopped: the worker keeps the run's slot and lease until this empties.
-        self._threads: set[asyncio.Future[Any]] = set()
+        # thread cannot be stopped: the worker keeps the run's slot and lease until none runs.
+        self._threads = RunThreads(self._loop, f"runpool-run-{id}")
         # Why the *_sync methods refuse all work (the worker is draining past its grace, or
         # gave up on the run), or None.
         self._closed: str | None = None
@@ -115,64 +114,6 @@ class Run:
 
     def _close(self, why: str) -> None:
         self._closed = why
-
-    @property
-    def _threads_running(self) -> bool:
-        return bool(self._threads)
-
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in a thread of its own, tracked until the thread really returns.
-
-        Cancelling the awaiting task raises CancelledError here at once, but the thread goes on:
-        its future stays in `_threads` (shielded, never cancelled) until fn returns. A daemon
-        thread, not an executor's: at exit, an interpreter joins executor threads, so a thread
-        that never returns would hold its process (a worker, or an application embedding a
-        Pool) forever; it must end with the process instead.
-        """
-        thread: asyncio.Future[T] = self._loop.create_future()
-        context = contextvars.copy_context()
-
-        def body() -> None:
-            try:
-                result = context.run(fn, *args)
-            except BaseException as exc:  # handed to the loop, like an executor would
-                self._settle(thread, None, exc)
-            else:
-                self._settle(thread, result, None)
-
-        self._threads.add(thread)
-        thread.add_done_callback(self._thread_done)
-        threading.Thread(target=body, name=f"runpool-run-{self.id}", daemon=True).start()
-        return await asyncio.shield(thread)
-
-    def _settle(self, thread: asyncio.Future[Any], result: Any, exc: BaseException | None
-                ) -> None:
-        """From the thread: complete its future on the loop."""
-        def settle() -> None:
-            if thread.done():
-                return
-            if exc is None:
-                thread.set_result(result)
-            elif isinstance(exc, asyncio.CancelledError):
-                thread.set_exception(RuntimeError(f"the thread was cancelled: {exc}"))
-            else:
-                thread.set_exception(exc)
-
-        try:
-            self._loop.call_soon_threadsafe(settle)
-        except RuntimeError:
-            pass  # the loop is closed: its worker is gone, nobody waits any more
-
-    def _thread_done(self, thread: asyncio.Future[Any]) -> None:
-        self._threads.discard(thread)
-        if not thread.cancelled():
-            thread.exception()  # retrieved: nobody awaits a thread whose caller was cancelled
-
-    async def _threads_finished(self) -> None:
-        """Returns once no thread of this run runs. Cancelling the caller raises here, and
-        leaves the threads' futures alone (asyncio.wait never cancels what it waits for)."""
-        while self._threads:
-            await asyncio.wait(set(self._threads))
 
     def _restore(self, messages: Sequence[Message], calls: dict[str, ToolCall]) -> None:
         self._messages = list(messages)
@@ -360,7 +301,7 @@ class Run:
         try:
             if inspect.iscoroutinefunction(fn):
                 return "succeeded", await fn(arguments, key)
-            value = await self._in_thread(fn, arguments, key)
+            value = await self._threads.call(fn, arguments, key)
             if inspect.isawaitable(value):
                 value = await value
             return "succeeded", value

@@ -314,9 +314,9 @@ class Worker:
             self._attention.set()
 
     async def _threads_finished(self, slot: Slot) -> None:
-        while slot.run._threads_running:
+        while slot.run._threads.running:
             try:
-                await slot.run._threads_finished()
+                await slot.run._threads.finished()
             except asyncio.CancelledError:
                 # Only a worker that exits may stop waiting: the threads die with it.
                 if slot.abandoned:
@@ -340,7 +340,7 @@ class Worker:
             if handler.is_async:
                 result = await handler.fn(run)
             else:
-                result = await run._in_thread(handler.fn, run)
+                result = await run._threads.call(handler.fn, run)
         except asyncio.CancelledError:
             if slot.stop_reason == "cancelled":
                 return self._cancelled_outcome(slot)
@@ -489,7 +489,7 @@ class Worker:
         the run's lease is gone, so it exits at once, releasing its other runs)."""
         if self.slots.get(slot.claimed.id) is not slot:
             return
-        if slot.run._threads_running:
+        if slot.run._threads.running:
             self._stuck([slot], why)
             if lost:
                 self._hurry.set()
@@ -547,7 +547,7 @@ class Worker:
         if pending:
             await asyncio.wait(pending, timeout=5)
         # Decided once: a thread ending after this is left to its lease too (safe either way).
-        stuck = [s for s in self.slots.values() if s.run._threads_running]
+        stuck = [s for s in self.slots.values() if s.run._threads.running]
         if stuck:
             self._stuck([s for s in stuck if not s.abandoned], "outlived the drain")
         held = {s.claimed.id for s in stuck}
