@@ -60,8 +60,8 @@ FROM runpool.tool_calls WHERE run_id = %(run_id)s AND call_id > %(after)s
 ORDER BY call_id LIMIT %(limit)s
 """
 # Rows per page of a load: small enough that one page is a short statement and a modest
-# buffer, large enough that a 20,000-row history takes a few dozen round trips.
-PAGE: Final = 500
+# buffer, large enough that a typical history (W8: 1,000 calls) is one or two round trips.
+PAGE: Final = 2_000
 # Append one message at the next sequence number, if the attempt holds the run.
 INSERT_MESSAGE: Final = FENCE + """
 INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id)
