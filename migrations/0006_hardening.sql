@@ -32,23 +32,31 @@ ALTER FUNCTION runpool._lock_serial_key(text, text)
     SET search_path = pg_catalog, runpool, pg_temp;
 
 -- The release of a key's next run when its head ends (see 0005). It never waits for the key's
--- lock: a caller's open transaction that enqueued on the key holds it, and a reaper or an
--- outcome writer stuck behind it would stall every run it covers. A key it could not lock,
--- or a release under a snapshot older than the lock (any isolation but read committed), is
--- left headless for heal_serial_keys, which gives it its head within a heartbeat.
+-- lock, which a caller's open transaction holds after a serial-key enqueue: a reaper or an
+-- outcome writer stuck behind it would stall every run it covers. It needs no such lock: an
+-- enqueue or retry_run of the key that is in flight saw this head unfinished, so its run
+-- waits held whatever happens here, and the only run this release cannot see is that one.
+-- That run is the enqueue's own to look after, at its commit (_serial_key_waits below); the
+-- "commit lock" (seed 7371) orders the two: a release holds it shared until it commits, an
+-- enqueue's commit check takes it exclusively, so one of them always sees the other's result.
+-- A waiting run someone holds locked (a cancel_run of it in flight: it is leaving the line) is
+-- passed over for the next, never waited for. A release that finds the commit lock taken (a
+-- commit check running right now), or that runs under an isolation level other than read
+-- committed, leaves the key to heal_serial_keys, which every worker runs each heartbeat.
 CREATE OR REPLACE FUNCTION runpool._serial_key_ended() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed'
-       OR NOT pg_try_advisory_xact_lock(hashtextextended(NEW.tenant || chr(31) || NEW.serial_key,
-                                                         7370)) THEN
+       OR NOT pg_try_advisory_xact_lock_shared(
+           hashtextextended(NEW.tenant || chr(31) || NEW.serial_key, 7371)) THEN
         RETURN NULL;
     END IF;
+    -- A statement of its own, after the commit lock: it sees every enqueue committed before.
     UPDATE runpool.runs r SET held = false
     WHERE r.id = (SELECT w.id FROM runpool.runs w
                   WHERE w.tenant = NEW.tenant AND w.serial_key = NEW.serial_key AND w.held
-                  ORDER BY w.serial_order LIMIT 1 FOR UPDATE)
+                  ORDER BY w.serial_order LIMIT 1 FOR UPDATE SKIP LOCKED)
       AND r.held;
     IF FOUND AND current_setting('runpool.session', true) IS DISTINCT FROM 'worker' THEN
         PERFORM pg_notify('runpool_wakeup', '');
@@ -57,9 +65,45 @@ BEGIN
 END
 $$;
 
+-- At the commit of a transaction that made a run wait held (enqueue, retry_run): if its key
+-- has no head by then — the head ended meanwhile, and its release could not see this run —
+-- release the key's first waiting run. The commit lock, exclusive, waits for any release of
+-- the key still in flight (a worker's short transaction), so this check sees its result.
+CREATE FUNCTION runpool._serial_key_waits() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN NULL;  -- its snapshot is older than the lock: heal_serial_keys decides
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtextextended(NEW.tenant || chr(31) || NEW.serial_key,
+                                                   7371));
+    UPDATE runpool.runs r SET held = false
+    WHERE r.id = (SELECT w.id FROM runpool.runs w
+                  WHERE w.tenant = NEW.tenant AND w.serial_key = NEW.serial_key AND w.held
+                  ORDER BY w.serial_order LIMIT 1 FOR UPDATE SKIP LOCKED)
+      AND r.held
+      AND NOT EXISTS (SELECT 1 FROM runpool.runs a
+                      WHERE a.tenant = NEW.tenant AND a.serial_key = NEW.serial_key
+                        AND a.status IN ('queued', 'running') AND NOT a.held);
+    IF FOUND THEN
+        PERFORM pg_notify('runpool_wakeup', '');
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE CONSTRAINT TRIGGER serial_key_waits
+AFTER INSERT OR UPDATE OF held ON runpool.runs
+DEFERRABLE INITIALLY DEFERRED
+FOR EACH ROW
+WHEN (NEW.held AND NEW.serial_key IS NOT NULL)
+EXECUTE FUNCTION runpool._serial_key_waits();
+
 -- Give every headless serial key its head: a key with held runs and none queued or running
--- unheld gets its first held run released. Keys whose lock is taken (an enqueue in a caller's
--- open transaction) are left for the next sweep. Also unpauses runs whose tenant is no longer
+-- unheld gets its first held run released (the rare releases left to it above, and keys of
+-- snapshot-isolation enqueues). Keys whose lock is taken (an enqueue in a caller's open
+-- transaction, whose commit check will look after its key) are left for the next sweep. Also unpauses runs whose tenant is no longer
 -- paused (an enqueue racing set_tenant_quota may have read the old quota). Read committed
 -- only: each check must see everything committed before its key's lock was granted.
 CREATE FUNCTION runpool.heal_serial_keys() RETURNS integer
@@ -100,7 +144,7 @@ BEGIN
         CONTINUE WHEN NOT pg_try_advisory_xact_lock(
             hashtextextended(k.tenant || chr(31) || k.serial_key, 7370));
         -- A statement of its own, after the lock: it sees every decision made before it.
-        -- SKIP LOCKED: a first waiting run being cancelled right now is left to the next sweep.
+        -- SKIP LOCKED: a waiting run being cancelled right now is passed over.
         UPDATE runpool.runs r SET held = false
         WHERE r.id = (SELECT w.id FROM runpool.runs w
                       WHERE w.tenant = k.tenant AND w.serial_key = k.serial_key AND w.held
@@ -490,6 +534,7 @@ END
 $$;
 
 REVOKE ALL ON FUNCTION
+    runpool._serial_key_waits(),
     runpool.heal_serial_keys(),
     runpool.retry_run(uuid, text),
     runpool.explain_run(uuid, text)

@@ -27,6 +27,9 @@ logger = logging.getLogger("runpool.outcomes")
 
 # Is the database there at all? (Asked after a batch failed transiently eight times.)
 PROBE: Final = "SELECT 1"
+# How soon an outcome whose row someone else held (finish_runs answered 'busy') is written
+# again: a caller's open transaction usually ends within milliseconds.
+BUSY_RETRY_SECONDS: Final = 0.2
 
 OutcomeKind = Literal["succeeded", "failed", "cancelled", "retry"]
 
@@ -193,11 +196,15 @@ class OutcomeWriter:
             statuses = {}
         self._settle([pending], statuses)
 
-    @staticmethod
-    def _settle(batch: list[Pending], statuses: dict[uuid.UUID, str]) -> None:
+    def _settle(self, batch: list[Pending], statuses: dict[uuid.UUID, str]) -> None:
         for pending in batch:
-            if not pending.done.done():
-                pending.done.set_result(statuses.get(pending.outcome.run_id))
+            status = statuses.get(pending.outcome.run_id)
+            if status == "busy":
+                # Its row is held by someone else (finish_runs skips it): write it again soon.
+                asyncio.get_running_loop().call_later(
+                    BUSY_RETRY_SECONDS, self._queue.put_nowait, pending)
+            elif not pending.done.done():
+                pending.done.set_result(status)
 
     async def _commit(self, batch: list[Pending], refill: bool) -> dict[uuid.UUID, str]:
         """Write a batch, trying again while the failure is transient; the runs' new statuses.

@@ -47,7 +47,9 @@ FROM reaped;
 -- transaction holds are left to the next claim.
 UPDATE runpool.runs r SET deferred = false
 WHERE r.id IN (SELECT d.id FROM runpool.runs d
-               WHERE d.status = 'queued' AND d.deferred AND d.available_at <= now()
+               -- Held runs wait for their key, not for the clock: promoted once released.
+               WHERE d.status = 'queued' AND d.deferred AND NOT d.held
+                 AND d.available_at <= now()
                ORDER BY d.available_at
                LIMIT 1000
                FOR NO KEY UPDATE SKIP LOCKED);
@@ -203,14 +205,14 @@ SELECT runpool.heal_serial_keys();
 SELECT set_config('runpool.release', pg_current_xact_id()::text, true);
 
 -- name: lock_ended_serial_keys
--- Lock each serial key whose head this transaction ended (the rows it wrote last: xmin); then
--- the trigger is in charge again. Try-locks (0006): a key locked by a caller's open
--- transaction (a serial-key enqueue) is not waited for, its release is left to
--- heal_serial_keys, so one key can never hold the outcomes of a whole batch hostage. The lock
--- is 0002's _lock_serial_key, spelled out (the worker role may not call it; see 0005).
+-- Take, shared, the commit lock (0006) of each serial key whose head this transaction ended
+-- (the rows it wrote last: xmin); then the trigger is in charge again. Never waits: a key whose
+-- commit lock is taken exclusively right now (an enqueue's commit check) is left to
+-- heal_serial_keys, so one key can never hold the outcomes of a whole batch hostage, and a
+-- caller's open transaction holding the key's enqueue lock does not matter (see 0006).
 SELECT set_config('runpool.release', '', true), (
-    SELECT count(*) FILTER (WHERE pg_try_advisory_xact_lock(
-               hashtextextended(k.tenant || chr(31) || k.serial_key, 7370)))
+    SELECT count(*) FILTER (WHERE pg_try_advisory_xact_lock_shared(
+               hashtextextended(k.tenant || chr(31) || k.serial_key, 7371)))
     FROM (SELECT DISTINCT r.tenant, r.serial_key
           FROM runpool.runs r
           WHERE r.id = ANY(%(ids)s::uuid[])
@@ -221,32 +223,42 @@ SELECT set_config('runpool.release', '', true), (
 ) AS locked;
 
 -- name: release_serial_keys
--- Release the next waiting run of each of those keys that it locked: a statement of its own,
--- after the locks, so it sees every enqueue committed before they were granted. FOR UPDATE, as in the
--- trigger: a waiting run being cancelled meanwhile is passed over once its cancel commits.
+-- Release the next waiting run of each of those keys whose commit lock it holds: a statement
+-- of its own, after the locks, so it sees every enqueue committed before they were granted.
+-- A waiting run locked by someone else (a cancel_run of it in flight: it is leaving the line)
+-- is passed over for the next, never waited for.
 UPDATE runpool.runs r SET held = false
 WHERE r.held AND r.id IN (
     SELECT (SELECT w.id FROM runpool.runs w
             WHERE w.tenant = k.tenant AND w.serial_key = k.serial_key AND w.held
-            ORDER BY w.serial_order LIMIT 1 FOR UPDATE)
+            ORDER BY w.serial_order LIMIT 1 FOR UPDATE SKIP LOCKED)
     FROM (SELECT DISTINCT e.tenant, e.serial_key
           FROM runpool.runs e
           WHERE e.id = ANY(%(ids)s::uuid[])
             AND e.serial_key IS NOT NULL
             AND e.status IN ('succeeded', 'failed', 'cancelled')
             AND e.xmin = pg_current_xact_id()::xid) k
-    -- Only the keys this transaction holds (a held advisory lock is granted again at once).
-    WHERE pg_try_advisory_xact_lock(hashtextextended(k.tenant || chr(31) || k.serial_key, 7370))
+    -- Only the keys whose commit lock this transaction holds (granted again at once).
+    WHERE pg_try_advisory_xact_lock_shared(
+        hashtextextended(k.tenant || chr(31) || k.serial_key, 7371))
 );
 
 -- name: finish_runs
 -- Record finished attempts in one statement, each fenced by its attempt: succeeded, failed,
 -- cancelled, or retry (queued again after its backoff, or failed when the budget is spent).
+-- A run whose row someone else holds right now (an API session's open cancel_run, say) is
+-- skipped, never waited for, and answered 'busy': the writer submits it again, so one caller
+-- cannot hold a whole batch of outcomes hostage.
 WITH outcome AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[], %(outcomes)s::text[],
                 %(results)s::jsonb[], %(errors)s::jsonb[], %(delays)s::double precision[])
          AS o(id, attempt, outcome, result, error, delay)
+),
+free AS (
+    SELECT r.id FROM runpool.runs r
+    WHERE r.id IN (SELECT id FROM outcome)
+    FOR NO KEY UPDATE OF r SKIP LOCKED
 ),
 decided AS (
     SELECT o.*, r.priority,
@@ -259,6 +271,7 @@ decided AS (
            END AS status
     FROM outcome o
     JOIN runpool.runs r ON r.id = o.id AND r.attempt = o.attempt AND r.status = 'running'
+    WHERE o.id IN (SELECT id FROM free)
 ),
 done AS (
     UPDATE runpool.runs r SET
@@ -286,7 +299,12 @@ events AS (
            attempt, worker_id, error
     FROM done
 )
-SELECT id, status FROM done;
+SELECT id, status FROM done
+UNION ALL
+SELECT o.id, 'busy'
+FROM outcome o
+JOIN runpool.runs r ON r.id = o.id AND r.attempt = o.attempt
+WHERE r.status = 'running' AND o.id NOT IN (SELECT id FROM free);
 
 -- name: release_runs
 -- Give leases back at once (a draining worker): the runs are claimable immediately and the

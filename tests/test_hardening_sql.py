@@ -86,12 +86,45 @@ def test_defect2_heartbeat__a_row_a_caller_holds_is_busy_not_lost_and_others_ren
     assert run_row(conn, b)["status"] == "running"
 
 
+def test_defect2_finish__a_row_a_caller_holds_is_busy_and_the_rest_of_the_batch_lands(
+        conn: psycopg.Connection, dsn: str) -> None:
+    a = runpool.enqueue(conn, "acme", "noop")
+    b = runpool.enqueue(conn, "acme", "noop")
+    claimed = _claim(dsn)
+    params = finish_params([(c.id, c.attempt) for c in claimed])
+    with connect(dsn) as caller, connect(dsn, autocommit=True) as writer:
+        _bounded(writer)
+        assert scalar(caller, "SELECT runpool.cancel_run(%s, 'x', 'acme')", a) == "cancelling"
+        assert sorted(writer.execute(QUERIES["finish_runs"], params).fetchall(),
+                      key=lambda r: r[0] != a) == [(a, "busy"), (b, "succeeded")]
+        caller.commit()
+        assert writer.execute(QUERIES["finish_runs"], params).fetchall() == [(a, "succeeded")]
+
+
+def test_defect2_outcome_writer__writes_a_busy_outcome_again_once_the_caller_commits(
+        conn: psycopg.Connection, dsn: str) -> None:
+    a = runpool.enqueue(conn, "acme", "sleep", {"seconds": 1})
+    b = runpool.enqueue(conn, "acme", "sleep", {"seconds": 1})
+    with running_pool(dsn, lease_seconds=30), connect(dsn) as caller:
+        wait_for(lambda: run_row(conn, a)["status"] == "running", what="a running")
+        scalar(caller, "SELECT runpool.cancel_run(%s, 'held open', 'acme')", a)
+        # The caller keeps a's row locked; b, finished in the same batch, lands anyway.
+        wait_for(lambda: run_row(conn, b)["status"] == "succeeded", timeout=6, what="b done")
+        assert run_row(conn, a)["status"] == "running"
+        caller.commit()
+        wait_for(lambda: run_row(conn, a)["status"] == "succeeded", what="a recorded")
+    assert run_row(conn, a)["attempt"] == 1
+    assert_invariants(conn)
+
+
 # -- defect 3: a caller's open serial-key enqueue does not hold the outcome writer ------------
 
-def test_defect3_release__does_not_wait_for_a_callers_key_lock_and_the_sweep_heals(
-        conn: psycopg.Connection, dsn: str) -> None:
+@pytest.mark.parametrize("waiting", [0, 1])
+def test_defect3_release__does_not_wait_for_a_callers_key_lock_and_no_key_goes_headless(
+        conn: psycopg.Connection, dsn: str, waiting: int) -> None:
     head = runpool.enqueue(conn, "acme", "noop", serial_key="k")
     other = runpool.enqueue(conn, "acme", "noop", serial_key="other")
+    queued = [runpool.enqueue(conn, "acme", "noop", serial_key="k") for _ in range(waiting)]
     claimed = _claim(dsn)
     assert {c.id for c in claimed} == {head, other}
     params = finish_params([(c.id, c.attempt) for c in claimed])
@@ -104,12 +137,14 @@ def test_defect3_release__does_not_wait_for_a_callers_key_lock_and_the_sweep_hea
         writer.execute(QUERIES["lock_ended_serial_keys"], params)
         writer.execute(QUERIES["release_serial_keys"], params)
         writer.commit()
+        # A run that waited already is released at once, caller or not.
+        assert [run_row(conn, q)["held"] for q in queued] == [False] * waiting
+        assert conn.execute(BAD_KEYS).fetchall() == []
         caller.commit()
-    # k's release was left to the sweep: headless until it runs, then exactly one head.
-    assert run_row(conn, late)["held"]
-    assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 1
-    assert not run_row(conn, late)["held"]
+    # The caller's run is released at its own commit when nothing else was waiting.
+    assert run_row(conn, late)["held"] == bool(waiting)
     assert conn.execute(BAD_KEYS).fetchall() == []
+    assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 0
 
 
 def test_defect3_trigger__a_reap_does_not_wait_for_a_callers_key_lock(
@@ -124,8 +159,22 @@ def test_defect3_trigger__a_reap_does_not_wait_for_a_callers_key_lock(
         assert scalar(reaper, QUERIES["reap_expired"]) == 1  # the row trigger path
         caller.commit()
     assert run_row(conn, head)["status"] == "failed"
+    assert not run_row(conn, late)["held"]  # released by the caller's own commit
+    assert conn.execute(BAD_KEYS).fetchall() == []
+
+
+def test_defect3_sweep__heals_a_key_left_headless(conn: psycopg.Connection) -> None:
+    head = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    nxt = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    # A release that could not happen (its next run was locked by a cancel that rolled back).
+    with conn.transaction():
+        conn.execute("SELECT set_config('runpool.release', pg_current_xact_id()::text, true)")
+        conn.execute("UPDATE runpool.runs SET status = 'cancelled', finished_at = now()"
+                     " WHERE id = %s", (head,))
+    assert run_row(conn, nxt)["held"]
     assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 1
-    assert not run_row(conn, late)["held"]
+    assert not run_row(conn, nxt)["held"]
+    assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 0
 
 
 # -- defect 4: other isolation levels can neither strand a key nor give it two heads ----------

@@ -154,7 +154,8 @@ def test_serial_key__retry_run_rejoins_the_key_at_the_back(conn: psycopg.Connect
 def test_cancel_of_the_next_waiting_run_racing_the_heads_end__the_one_after_is_released(
         conn: psycopg.Connection, dsn: str, path: str) -> None:
     """Found in review: cancel_run takes no key lock, so the release could pick the run being
-    cancelled, release a cancelled run and leave the key with no head forever."""
+    cancelled, release a cancelled run and leave the key with no head forever. The release
+    passes over the run being cancelled (it never waits for a caller: issue 11)."""
     head, nxt, after = (runpool.enqueue(conn, "t", "noop", serial_key="k") for _ in range(3))
     ((_, attempt),) = asyncio.run(_claim_all(dsn))
     canceller = psycopg.connect(dsn)  # a transaction of its own, left open
@@ -163,12 +164,9 @@ def test_cancel_of_the_next_waiting_run_racing_the_heads_end__the_one_after_is_r
                                  (nxt,)).fetchone() == ("cancelled",)
         finish = threading.Thread(target=_finish, args=(dsn, head, attempt, path))
         finish.start()
-        wait_for(lambda: scalar(conn, "SELECT count(*) FROM pg_stat_activity WHERE"
-                                " wait_event_type = 'Lock' AND datname = current_database()"),
-                 what="the release waiting for the cancel's row lock")
-        canceller.commit()
         finish.join(timeout=15)
-        assert not finish.is_alive()
+        assert not finish.is_alive()  # it did not wait for the canceller
+        canceller.commit()
     finally:
         canceller.close()
     assert [run_row(conn, r)["status"] for r in (head, nxt, after)] == [
