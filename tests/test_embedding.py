@@ -171,6 +171,32 @@ def test_drain__finishes_what_fits_the_grace_and_releases_the_rest(
     assert_invariants(conn, all_terminal=False)
 
 
+def test_host_cancelled__in_flight_runs_released_at_once(conn: psycopg.Connection,
+                                                         dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "wait", {"seconds": 60})
+
+    async def main() -> None:
+        async def host() -> None:
+            async with runpool.Pool(app, dsn=dsn, concurrency=2, grace_seconds=30,
+                                    poll_seconds=0.2):
+                await asyncio.Event().wait()  # the host's own work, until it is cancelled
+
+        task = asyncio.create_task(host())
+        async with await aconnect(dsn, autocommit=True) as c:
+            await until(lambda: _both_running(c, [run_id]), "the run started")
+            started = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Not the 30 s grace: a host shutting down is not held up by a run.
+            assert time.monotonic() - started < 10
+            released = await row(c, run_id)
+            assert (released["status"], released["attempt"]) == ("queued", 1)
+
+    asyncio.run(main())
+    assert_invariants(conn, all_terminal=False)
+
+
 async def _both_running(c: psycopg.AsyncConnection[Any], ids: list[uuid.UUID]) -> bool:
     return set((await statuses(c, ids)).values()) == {"running"}
 
