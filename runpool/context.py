@@ -40,18 +40,32 @@ def _canonical(value: Any) -> bytes:
 async def _finish(coro: Awaitable[T]) -> T:
     """Run `coro` to its end even if the caller is cancelled meanwhile (the cancellation is
     delivered after it): a finished tool's result must not be thrown away half-committed."""
-    task = asyncio.ensure_future(coro)
-    interrupted = False
-    while not task.done():
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[T] = loop.create_future()
+
+    async def run() -> None:
         try:
-            await asyncio.wait([task])
-        except asyncio.CancelledError:
-            interrupted = True
-    if interrupted:
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancellation is what the caller gets
-        raise asyncio.CancelledError
-    return task.result()
+            value = await coro
+        except BaseException as exc:  # handed to the caller, not left in the task
+            if not outcome.done():
+                outcome.set_exception(exc)
+        else:
+            if not outcome.done():
+                outcome.set_result(value)
+
+    # A task of its own (awaited through a plain future: one loop turn less than
+    # asyncio.shield or asyncio.wait on the path every tool call takes, W7).
+    task = loop.create_task(run())
+    try:
+        return await outcome
+    except asyncio.CancelledError:
+        # Cancelled while committing: finish the commit, then deliver the cancellation.
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                pass
+        raise
 
 
 class Run:
