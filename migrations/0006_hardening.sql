@@ -120,10 +120,14 @@ BEGIN
             upper(current_setting('transaction_isolation'))
             USING ERRCODE = 'invalid_transaction_state';
     END IF;
+    -- SKIP LOCKED, here as below: the sweep runs on the heartbeat's connection and must
+    -- never wait for a caller.
     UPDATE runpool.runs r SET paused = false
-    WHERE r.paused AND r.status IN ('queued', 'running')
-      AND NOT EXISTS (SELECT 1 FROM runpool.tenants t
-                      WHERE t.tenant = r.tenant AND t.max_running = 0);
+    WHERE r.id IN (SELECT p.id FROM runpool.runs p
+                   WHERE p.paused AND p.status IN ('queued', 'running')
+                     AND NOT EXISTS (SELECT 1 FROM runpool.tenants t
+                                     WHERE t.tenant = p.tenant AND t.max_running = 0)
+                   FOR NO KEY UPDATE SKIP LOCKED);
     FOR k IN
         WITH RECURSIVE keys AS (
             -- A loose index scan: one probe per key with held runs.
