@@ -298,9 +298,10 @@ def test_default_workers__a_many_core_host_stays_within_the_connection_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.cpu_count", lambda: 32)
     settings = Settings.from_env({})
-    # workers x (pool + LISTEN): the README's 28 per host, far under max_connections (100).
+    # workers x (pool + LISTEN + heartbeat): the README's 32 per host, far under PostgreSQL's
+    # default max_connections (100).
     assert settings.workers == 4
-    assert settings.workers * (settings.connections + 1) == 28
+    assert settings.workers * (settings.connections + 2) == 32
 
 
 def test_claim_budget__racing_workers_never_wait_but_a_flood_does() -> None:
