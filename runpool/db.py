@@ -170,12 +170,15 @@ async def _fresh_enough(conn: psycopg.AsyncConnection[Any]) -> None:
         _idle[conn] = (time.monotonic(), limit)
 
 
-async def open_pool(dsn: str, *, size: int, name: str) -> AsyncConnectionPool:
+async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | None = None
+                    ) -> AsyncConnectionPool:
     """Open the worker's pool. The checkout check costs no round trip (a real one would cost
     one on every claim), except for a connection idle past half the server's
     idle_session_timeout, which the server may have closed. A connection broken otherwise (a
     restart, a failover, pg_terminate_backend) fails its statement; the pool replaces it, and
-    the operations that are safe to repeat retry on another connection (see retrying)."""
+    the operations that are safe to repeat retry on another connection (see retrying).
+    `connect_timeout` (seconds, at least 2) bounds each new connection's attempt: one started
+    while the network is silent would otherwise wait for as long as it stays silent."""
     pool: AsyncConnectionPool = AsyncConnectionPool(
         dsn,
         min_size=size,
@@ -185,7 +188,8 @@ async def open_pool(dsn: str, *, size: int, name: str) -> AsyncConnectionPool:
         # Named after the pool (unless the DSN names its connections): an operator can tell a
         # worker's connections in pg_stat_activity.
         kwargs={**KEEPALIVES, **({} if "application_name" in conninfo_to_dict(dsn)
-                                 else {"application_name": name})},
+                                 else {"application_name": name}),
+                **({} if connect_timeout is None else {"connect_timeout": connect_timeout})},
         configure=_configure_pooled,
         check=_fresh_enough,
         max_idle=300,

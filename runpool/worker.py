@@ -394,14 +394,19 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         # A connection of its own: with every pooled connection busy writing checkpoints (or
         # waiting for one), a heartbeat queued behind them would cost leases.
-        beat_pool = await open_pool(self.dsn, size=1, name=f"runpool-beat-{os.getpid()}")
+        beat_pool = await open_pool(self.dsn, size=1, name=f"runpool-beat-{os.getpid()}",
+                                    connect_timeout=max(2, int(self.settings.heartbeat_seconds)))
         try:
             interval = self.settings.heartbeat_seconds
             while True:
                 await asyncio.sleep(interval)
+                # While its connection is being replaced (after a cut, or a silent network),
+                # the heartbeat borrows from the shared pool rather than wait for it.
+                pool = beat_pool if beat_pool.get_stats().get("pool_available", 0) else self._pool
+                assert pool is not None
                 try:
-                    await self._beat(beat_pool)
-                    await self._heal(beat_pool)
+                    await self._beat(pool)
+                    await self._heal(pool)
                     interval = self.settings.heartbeat_seconds
                 except (psycopg.OperationalError, TimeoutError) as exc:
                     logger.warning("heartbeat failed: %r", exc,
