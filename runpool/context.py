@@ -20,7 +20,7 @@ import checkpoints
 from checkpoints import CallMismatch, Message, ToolCall
 
 from . import faults, telemetry
-from .db import dumps, jsonb, loads, retrying
+from .db import dumps, jsonb, loads, retrying, transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
 from .threads import RunThreads
 
@@ -301,10 +301,20 @@ class Run:
                       arguments: Any, status: str, data: bytes) -> Any:
         """Commit a finished call's outcome with its tool message; its committed JSON value."""
         async with self._write_lock:
-            seq = await self._db(pool, "tool result commit", lambda conn, _: (
-                checkpoints.commit_tool_result(
-                    conn, self.id, self.attempt, call_id, status=status, result=jsonb(data),
-                    message_role="tool", message_content=jsonb(data))))
+            while True:
+                try:
+                    seq = await self._db(pool, "tool result commit", lambda conn, _: (
+                        checkpoints.commit_tool_result(
+                            conn, self.id, self.attempt, call_id, status=status,
+                            result=jsonb(data), message_role="tool",
+                            message_content=jsonb(data))))
+                    break
+                except Exception as exc:
+                    # The tool has run: its result is worth waiting for (an outage longer
+                    # than write_timeout) for as long as this attempt may hold its lease. A
+                    # reclaim fences the write (LeaseLost); the worker's lease clock ends it.
+                    if self._lost or not transient(exc):
+                        raise
         # What the handler gets is the committed JSON value, the same as after a resume.
         value = loads(data)
         self._remember(call_id, name, arguments, status, value)
