@@ -32,9 +32,13 @@ Op = Callable[[psycopg.AsyncConnection[Any], int], Awaitable[T]]
 UNKNOWN: dict[str, Any] = {"outcome": "unknown"}
 
 
-def _canonical(value: Any) -> bytes:
-    """A JSON value's identity: what a call's name and arguments are compared by."""
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+def _same_call(name: str, arguments: Any, other_name: str, other_arguments: Any) -> bool:
+    """Whether two calls are the same: same tool name, same JSON arguments (key order aside).
+    Computed only when a call id is seen again, not on every call."""
+    def canonical(value: Any) -> bytes:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+    return name == other_name and canonical(arguments) == canonical(other_arguments)
 
 
 async def _finish(coro: Awaitable[T]) -> T:
@@ -99,8 +103,9 @@ class Run:
         self._write_timeout = write_timeout
         self._messages = list(messages)
         self._calls = dict(tool_calls or {})
-        # Calls being executed in this attempt: (identity, the outcome other callers share).
-        self._inflight: dict[str, tuple[bytes, asyncio.Future[Any]]] = {}
+        # Calls being executed in this attempt: (name, arguments as committed, the outcome
+        # other callers share).
+        self._inflight: dict[str, tuple[str, Any, asyncio.Future[Any]]] = {}
         self._cancelled = asyncio.Event()
         self._lost = False
         # Writes of one run are serialised: the message sequence is max + 1 under the fence.
@@ -220,16 +225,16 @@ class Run:
             raise InvalidInput("tool name must be 1 to 200 characters, without NUL")
         args = self._encode(arguments, "tool arguments")
         committed_args = loads(args)
-        identity = _canonical([name, committed_args])
         prior = self._calls.get(call_id)
-        if prior is not None and _canonical([prior.name, prior.arguments]) != identity:
+        if prior is not None and not _same_call(prior.name, prior.arguments,
+                                                name, committed_args):
             raise InvalidInput(str(CallMismatch(call_id)))
         shared = self._inflight.get(call_id)
         if shared is not None:
-            if shared[0] != identity:
+            if not _same_call(shared[0], shared[1], name, committed_args):
                 raise InvalidInput(str(CallMismatch(call_id)))
             # The same call awaited twice at once: it runs once, both get its outcome.
-            return await asyncio.shield(shared[1])
+            return await asyncio.shield(shared[2])
         if prior is not None and prior.committed:
             # Resume is visible in the trace as an event, not as a new execution.
             telemetry.event("runpool.checkpoint.hit", **{
@@ -243,7 +248,7 @@ class Run:
         pool = self._writable()
         # Registered before the first await, so a second caller finds it.
         outcome: asyncio.Future[Any] = self._loop.create_future()
-        self._inflight[call_id] = (identity, outcome)
+        self._inflight[call_id] = (name, committed_args, outcome)
         try:
             with telemetry.tool_span(name, call_id) as span:
                 result = await self._run_tool(pool, prior, call_id, name, arguments, args,
