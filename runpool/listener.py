@@ -20,8 +20,11 @@ logger = logging.getLogger("runpool.listener")
 
 WAKEUP: Final = "runpool_wakeup"
 CANCEL: Final = "runpool_cancel"
-# Channel names are fixed identifiers, so plain static SQL is enough.
-LISTEN: Final = "LISTEN runpool_wakeup; LISTEN runpool_cancel"
+# Channel names are fixed identifiers, so plain static SQL is enough. The connection waits
+# idle by design: a server-wide idle_session_timeout (set to reap forgotten sessions) would
+# otherwise close it every few seconds, and each reconnect loses the notices sent meanwhile.
+LISTEN: Final = ("LISTEN runpool_wakeup; LISTEN runpool_cancel;"
+                 " SET idle_session_timeout = 0")
 # Seconds between two log lines about ignored (malformed) cancel notices.
 NOISE_LOG_SECONDS: Final = 10.0
 
