@@ -24,10 +24,17 @@ BEGIN
         RAISE EXCEPTION 'runpool.resolve_tool_call: give either a result or retry => true'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- Checked before the row lock (as cancel_run does; a run's tenant never changes): a refused
+    -- call in a caller's open transaction must hold no lock on another tenant's running run,
+    -- whose heartbeat would skip it until the lease ran out. Another tenant's run answers
+    -- exactly like a missing one, by the same single probe: no existence or timing leak.
+    IF resolve_tool_call.tenant IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM runpool.runs r
+            WHERE r.id = resolve_tool_call.run_id AND r.tenant = resolve_tool_call.tenant) THEN
+        RETURN NULL;
+    END IF;
     SELECT * INTO run FROM runpool.runs r WHERE r.id = resolve_tool_call.run_id FOR UPDATE;
-    -- Another tenant's run answers exactly like a missing one: no existence leak.
-    IF NOT FOUND OR (resolve_tool_call.tenant IS NOT NULL AND run.tenant <> resolve_tool_call.tenant)
-    THEN
+    IF NOT FOUND THEN
         RETURN NULL;
     END IF;
     SELECT * INTO call FROM runpool.tool_calls t

@@ -417,3 +417,19 @@ def test_defect11_heartbeat__renews_while_checkpoint_writes_hold_every_pooled_co
             wait_for(lambda: run_row(conn, sleeper)["status"] == "succeeded", timeout=20,
                      what="the sleeper done")
     assert run_row(conn, sleeper)["attempt"] == 1
+
+
+# -- review of 0006/0007 (a hostile tenant's repros) -------------------------------------------
+
+def test_review1_resolve_tool_call__another_tenants_run_is_refused_before_its_row_is_locked(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    (claimed,) = _claim(dsn)
+    with connect(dsn) as caller, connect(dsn, autocommit=True) as worker:
+        _bounded(worker)
+        caller.execute("SET ROLE runpool_api")
+        assert scalar(caller, "SELECT runpool.resolve_tool_call(%s, 'c0', retry => true,"
+                              " tenant => 'evil')", run_id) is None
+        # The caller's transaction is still open: the heartbeat renews the lease (not busy).
+        assert _beat(worker, [claimed]) == [(run_id, False)]
+        caller.rollback()
