@@ -26,6 +26,12 @@ CREATE INDEX runs_deferred ON runpool.runs (available_at) WHERE status = 'queued
 -- Paused runs per tenant (unpaused by set_tenant_quota, re-checked by heal_serial_keys).
 CREATE INDEX runs_paused ON runpool.runs (tenant) WHERE paused AND status IN ('queued', 'running');
 
+-- Plans: functions that look runs up by a tenant or a serial key given to them run with
+-- plan_cache_mode = force_custom_plan. PL/pgSQL caches a generic plan after five calls in a
+-- session, and that plan estimates "this tenant's, this key's runs" from the whole table's
+-- averages: with one tenant's deep keyed backlog it reads every run (a Seq Scan per call)
+-- instead of probing the key's index. enqueue does so only on its keyed path (see there).
+
 -- Privileges: a role other than the owner that may create objects in a schema of the
 -- search_path could shadow a pg_catalog function; pg_catalog first closes that for good.
 ALTER FUNCTION runpool._lock_serial_key(text, text)
@@ -45,6 +51,7 @@ ALTER FUNCTION runpool._lock_serial_key(text, text)
 -- committed, leaves the key to heal_serial_keys, which every worker runs each heartbeat.
 CREATE OR REPLACE FUNCTION runpool._serial_key_ended() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = force_custom_plan
 AS $$
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed'
@@ -71,6 +78,7 @@ $$;
 -- the key still in flight (a worker's short transaction), so this check sees its result.
 CREATE FUNCTION runpool._serial_key_waits() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = force_custom_plan
 AS $$
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -108,6 +116,7 @@ EXECUTE FUNCTION runpool._serial_key_waits();
 -- only: each check must see everything committed before its key's lock was granted.
 CREATE FUNCTION runpool.heal_serial_keys() RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = force_custom_plan
 SET runpool.release = ''
 AS $$
 DECLARE
@@ -184,6 +193,7 @@ CREATE OR REPLACE FUNCTION runpool.enqueue(
     serial_key text DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = auto
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -238,6 +248,11 @@ BEGIN
     END IF;
 
     IF enqueue.serial_key IS NOT NULL THEN
+        -- Custom plans for the rest of this call (the SET above scopes it to the call): the
+        -- generic plan PL/pgSQL switches to after five calls estimates the key check below
+        -- from every tenant's keyed runs and reads the whole table once they are many. The
+        -- unkeyed path keeps its cached plans (replanning it costs ~25 % of an enqueue).
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
         -- Under the key's lock, and in statements of their own: the check below sees every
         -- run of the key committed before the lock was granted (read committed only).
         PERFORM runpool._lock_serial_key(enqueue.tenant, enqueue.serial_key);
@@ -339,6 +354,7 @@ $$;
 CREATE OR REPLACE FUNCTION runpool.retry_run(run_id uuid)
 RETURNS text
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = force_custom_plan
 SET runpool.release = ''
 AS $$
 #variable_conflict use_column
@@ -402,6 +418,7 @@ $$;
 CREATE OR REPLACE FUNCTION runpool.set_tenant_quota(tenant text, max_running integer)
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = force_custom_plan
 AS $$
 #variable_conflict use_column
 BEGIN
@@ -430,6 +447,7 @@ $$;
 CREATE OR REPLACE FUNCTION runpool.explain_run(run_id uuid)
 RETURNS jsonb
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = force_custom_plan
 AS $$
 #variable_conflict use_column
 DECLARE

@@ -433,3 +433,35 @@ def test_review1_resolve_tool_call__another_tenants_run_is_refused_before_its_ro
         # The caller's transaction is still open: the heartbeat renews the lease (not busy).
         assert _beat(worker, [claimed]) == [(run_id, False)]
         caller.rollback()
+
+
+def _seq_scans_of_runs(session: psycopg.Connection) -> int:
+    """Sequential scans of runpool.runs so far, counting this (autocommit) session's own."""
+    session.execute("SELECT pg_stat_force_next_flush()")
+    session.execute("SELECT pg_stat_clear_snapshot()")
+    return int(scalar(session, "SELECT seq_scan FROM pg_stat_user_tables"
+                               " WHERE relid = 'runpool.runs'::regclass"))
+
+
+def test_review2_keyed_enqueue_and_retry__never_scan_the_table_once_the_plan_is_generic(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # Another tenant's deep keyed backlog: 20,000 runs on 10 keys (one head each).
+    conn.execute("""
+        INSERT INTO runpool.runs (tenant, handler, input, priority, available_at, rank,
+                                  max_attempts, serial_key, serial_order, status, held)
+        SELECT 'big', 'noop', '{}', 0, now(), g, 3, 'k' || (g % 10), g, 'queued', g > 10
+        FROM generate_series(1, 20000) g""")
+    conn.execute("ANALYZE runpool.runs")
+    failed = [runpool.enqueue(conn, "acme", "noop") for _ in range(10)]
+    conn.execute("UPDATE runpool.runs SET status = 'failed', finished_at = now()"
+                 " WHERE tenant = 'acme'")
+    conn.execute("UPDATE runpool.runs SET serial_key = 'r' || id WHERE tenant = 'acme'")
+    with connect(dsn, autocommit=True) as api:  # one session: past the fifth call, generic
+        before = _seq_scans_of_runs(api)
+        for i in range(10):
+            runpool.enqueue(api, "acme", "noop", serial_key=f"x{i}")
+        for run_id in failed:
+            assert scalar(api, "SELECT runpool.retry_run(%s)", run_id) == "queued"
+        assert _seq_scans_of_runs(api) == before
+        # The keyed path's custom plans do not outlive the call.
+        assert scalar(api, "SHOW plan_cache_mode") == "auto"
