@@ -8,8 +8,6 @@ import logging
 import os
 import re
 import socket
-import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar
@@ -69,20 +67,22 @@ _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 #   (`options=-c default_transaction_isolation=...`, allowed through by the pooler) or
 #   `BEGIN ISOLATION LEVEL READ COMMITTED` per transaction;
 # - no JIT: the queue's statements are short index probes, and JIT compilation (which a cost
-#   estimate on young statistics can trigger) would cost a hundred times the query;
-# - the server's idle_session_timeout (ms, 0 = none), so the pool retires a connection before
-#   the server closes it under a caller's statement.
+#   estimate on young statistics can trigger) would cost a hundred times the query.
 SESSION_SETUP: Final = """
 SELECT set_config('default_transaction_isolation', 'read committed', false),
-       set_config('jit', 'off', false),
-       (SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'idle_session_timeout')
+       set_config('jit', 'off', false)
 """
-# Marks a worker's session: a worker that ends a run claims again at once, so releasing the
-# next run of a serial key from its session needs no doorbell.
+# A pooled session (a worker's, its heartbeat's, an embedded pool's) also:
+# - turns idle_session_timeout off: an operator sets it to reap forgotten sessions, and a
+#   pool's are managed, not forgotten. A quiet pool's connections all go idle together; closed
+#   by the server, every checkout would find a dead one (a claim or checkpoint fails, or waits
+#   out psycopg_pool's reconnect backoff) and each replacement would idle past it again;
+# - marks a worker's session: a worker that ends a run claims again at once, so releasing the
+#   next run of a serial key from its session needs no doorbell.
 WORKER_SESSION: Final = """
 SELECT set_config('default_transaction_isolation', 'read committed', false),
        set_config('jit', 'off', false),
-       (SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'idle_session_timeout'),
+       set_config('idle_session_timeout', '0', false),
        set_config('runpool.session', 'worker', false)
 """
 
@@ -134,49 +134,21 @@ async def aconnect(dsn: str, *, autocommit: bool = False) -> psycopg.AsyncConnec
     return conn
 
 
-# Per pooled connection: (monotonic time it was last returned, seconds it may stay idle).
-_idle: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], tuple[float, float]] = (
-    weakref.WeakKeyDictionary())
-
-
 async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
     configure(conn)
     # Single statements commit on their own (one round trip); multi-statement work opens an
     # explicit transaction.
     await conn.set_autocommit(True)
-    cur = await conn.execute(WORKER_SESSION)
-    row = await cur.fetchone()
-    timeout_ms = int(row[2]) if row and row[2] else 0
-    # Past half the server's deadline a connection is checked before use: the server starts
-    # counting when it goes idle, a little before the connection is back in the pool.
-    _idle[conn] = (time.monotonic(), timeout_ms / 2000 if timeout_ms else float("inf"))
-
-
-def _used(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Note when a pooled connection was last used (by bounded(), which every checkpoint,
-    claim and outcome goes through; a pool `reset` callback would defer every return to a
-    background task)."""
-    limit = _idle.get(conn, (0.0, float("inf")))[1]
-    _idle[conn] = (time.monotonic(), limit)
-
-
-async def _fresh_enough(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Checkout check, with a round trip only for a connection that idled long enough for the
-    server's idle_session_timeout to have closed it: a closed one is replaced, not handed out
-    to fail its caller's statement."""
-    since, limit = _idle.get(conn, (0.0, float("inf")))
-    if time.monotonic() - since >= limit:
-        await AsyncConnectionPool.check_connection(conn)
-        _idle[conn] = (time.monotonic(), limit)
+    await conn.execute(WORKER_SESSION)
 
 
 async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | None = None
                     ) -> AsyncConnectionPool:
-    """Open the worker's pool. The checkout check costs no round trip (a real one would cost
-    one on every claim), except for a connection idle past half the server's
-    idle_session_timeout, which the server may have closed. A connection broken otherwise (a
-    restart, a failover, pg_terminate_backend) fails its statement; the pool replaces it, and
-    the operations that are safe to repeat retry on another connection (see retrying).
+    """Open the worker's pool. A checkout costs no round trip (a check would cost one on every
+    claim), and the server's idle_session_timeout does not apply to pooled sessions
+    (WORKER_SESSION). A connection broken otherwise (a restart, a failover,
+    pg_terminate_backend) fails its statement; the pool replaces it, and the operations that
+    are safe to repeat retry on another connection (see retrying).
     `connect_timeout` (seconds, at least 2) bounds each new connection's attempt: one started
     while the network is silent would otherwise wait for as long as it stays silent."""
     pool: AsyncConnectionPool = AsyncConnectionPool(
@@ -191,7 +163,6 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
                                  else {"application_name": name}),
                 **({} if connect_timeout is None else {"connect_timeout": connect_timeout})},
         configure=_configure_pooled,
-        check=_fresh_enough,
         max_idle=300,
         reconnect_timeout=3600,
     )
@@ -280,7 +251,6 @@ async def bounded(pool: AsyncConnectionPool, seconds: float
             raise
         finally:
             timer.cancel()
-            _used(conn)
             if severed:
                 await conn.close()
 

@@ -4,6 +4,8 @@ around the commit (closed idle sessions, repeatable read by default, reused call
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 import uuid
 from typing import Any
 
@@ -12,7 +14,14 @@ from psycopg import sql
 
 import runpool
 from runpool.db import aconnect, connect, open_pool
-from tests.helpers import assert_invariants, run_row, running_pool, scalar, wait_for
+from tests.helpers import (
+    assert_invariants,
+    live_workers,
+    run_row,
+    running_pool,
+    scalar,
+    wait_for,
+)
 
 APP = "tests.durability_apps:app"
 
@@ -32,22 +41,58 @@ def _alter_database(conn: psycopg.Connection, setting: str, value: str) -> None:
         sql.Identifier(conn.info.dbname), sql.Identifier(setting), sql.Literal(value)))
 
 
-def test_idle_session_timeout__a_finished_tool_result_survives_a_closed_connection(
+# The workers' idle pooled connections (the heartbeat's too), as a reaper sees them.
+IDLE_POOLED = """
+SELECT pid FROM pg_stat_activity WHERE datname = current_database()
+  AND application_name LIKE 'runpool-%%' AND state = 'idle'
+"""
+
+
+def _tools_started(conn: psycopg.Connection, n: int) -> bool:
+    return bool(scalar(conn, "SELECT count(*) FROM tool_log") >= n)
+
+
+def test_idle_connections_closed__a_finished_tool_result_survives(
         conn: psycopg.Connection, dsn: str) -> None:
-    _alter_database(conn, "idle_session_timeout", "2s")
     safe = runpool.enqueue(conn, "acme", "slow_tools", {"steps": 2, "tool_seconds": 4})
     unsafe = runpool.enqueue(conn, "acme", "slow_tools",
                              {"steps": 2, "tool_seconds": 4, "unsafe": True})
     # Nothing else touches the pool during a tool (no poll, no heartbeat), as in production
-    # where a quiet pool's idle connections are exactly the ones the server closes.
-    with running_pool(dsn, app=APP, lease_seconds=30, poll_seconds=30, pool_size=4):
+    # where a quiet pool's idle connections are the ones a restart or a reaper closes.
+    closed = 0
+    with running_pool(dsn, app=APP, lease_seconds=30, poll_seconds=30, pool_size=4) as pool:
+        for started in range(1, 5):
+            wait_for(functools.partial(_tools_started, conn, started), timeout=30,
+                     what=f"tool {started} started")
+            # Every idle pooled connection is closed under the running tools.
+            closed += sum(scalar(conn, "SELECT pg_terminate_backend(%s)", pid)
+                          for (pid,) in conn.execute(IDLE_POOLED).fetchall())
         wait_for(lambda: _done(conn, safe) and _done(conn, unsafe), timeout=60, what="runs")
+        assert "action=db_retry" in pool.log()
+    assert closed > 0
     for run_id in (safe, unsafe):
         row = run_row(conn, run_id)
-        # The server closed the idle pooled connections during each 4 s tool: the result
-        # was committed on another connection, in the first attempt, each tool run once.
+        # Each result was committed on another connection, in the first attempt, each tool
+        # run once.
         assert (row["status"], row["attempt"]) == ("succeeded", 1), row["error"]
         assert _executions(conn, run_id) == {"c0": 1, "c1": 1}
+    assert_invariants(conn)
+
+
+def test_idle_session_timeout__a_quiet_pool_keeps_claiming(conn: psycopg.Connection,
+                                                         dsn: str) -> None:
+    # A quiet pool (polling, no LISTEN) on a database whose operator reaps idle sessions: the
+    # pooled connections all go idle together. They must still be there, not closed by the
+    # server (every checkout would then fail its check, back off and time out the claim).
+    _alter_database(conn, "idle_session_timeout", "2s")
+    with running_pool(dsn, listen=0, poll_seconds=1) as pool:
+        wait_for(lambda: live_workers(conn), what="worker up")
+        # Quiet for three times the server's timeout: this is the scenario, not a wait.
+        time.sleep(6)
+        runs = [runpool.enqueue(conn, "acme", "noop") for _ in range(3)]
+        wait_for(lambda: all(run_row(conn, r)["status"] == "succeeded" for r in runs),
+                 timeout=5, what="runs started by a quiet pool")
+        assert "action=claim_failed" not in pool.log()
     assert_invariants(conn)
 
 
