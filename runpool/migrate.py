@@ -6,6 +6,7 @@ copied into the wheel at build time), so an installed runpool finds them whereve
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from importlib.abc import Traversable
@@ -21,6 +22,8 @@ __all__ = [
     "Migration", "applied_versions", "check", "check_owner", "migrate", "migrations",
     "pending", "script",
 ]
+
+logger = logging.getLogger("runpool.migrate")
 
 MIGRATIONS_DIR: Final[Traversable] = files("runpool") / "migrations"
 _NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
@@ -53,6 +56,13 @@ FROM pg_namespace n WHERE n.nspname = 'runpool'
 """
 HAS_TABLE: Final = "SELECT to_regclass('runpool.schema_migrations') IS NOT NULL"
 RECORD: Final = "INSERT INTO runpool.schema_migrations (version, name) VALUES (%s, %s)"
+# Live pools that registered no handlers: code older than migration 0006, which claims runs of
+# every handler (live as explain_run counts it: not stopped, seen within the last minute).
+OLD_POOLS: Final = """
+SELECT host, pid FROM runpool.workers
+WHERE handlers IS NULL AND stopped_at IS NULL AND last_seen_at > now() - interval '1 minute'
+ORDER BY host, pid
+"""
 # The same record, spelled with literals for a script that psql runs (`migrate --sql`).
 RECORD_LITERAL: Final = sql.SQL(
     "INSERT INTO runpool.schema_migrations (version, name) VALUES ({}, {});")
@@ -102,7 +112,25 @@ def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
             # Migration files are static text shipped with the package, never user input.
             conn.execute(cast(LiteralString, m.sql))  # type: ignore[redundant-cast]
             conn.execute(RECORD, (m.version, m.name))
+    warn_old_pools(conn)
     return todo
+
+
+def warn_old_pools(conn: psycopg.Connection[Any]) -> None:
+    """Log a warning naming the live pools that run code older than migration 0006. Such a
+    pool goes on claiming after the upgrade, and it claims runs of every handler, including
+    new ones it does not serve (they fail `unknown_handler`); the schema cannot stop it without
+    a check on every claim, so the operator is told to replace it."""
+    if 6 not in applied_versions(conn):
+        return
+    old = conn.execute(OLD_POOLS).fetchall()
+    if old:
+        pools = ", ".join(f"{host} pid {pid}" for host, pid in old)
+        logger.warning(
+            "%d live pool(s) run runpool code older than migration 0006 (%s): they claim runs"
+            " of every handler, and a run of a handler they do not serve fails unknown_handler;"
+            " replace them before enqueueing runs of new handlers", len(old), pools,
+            extra={"action": "old_pools_live", "pools": len(old)})
 
 
 def check_owner(conn: psycopg.Connection[Any]) -> None:

@@ -71,3 +71,28 @@ def test_worker_on_out_of_date_schema__refuses_and_names_the_fix(empty_dsn: str)
     assert "python -m runpool migrate" in proc.stderr
     with psycopg.connect(empty_dsn) as conn:
         assert conn.execute("SELECT to_regclass('runpool.runs')").fetchone() == (None,)
+
+
+# How a pool running code older than migration 0006 registers (it names no handlers).
+OLD_REGISTER = ("INSERT INTO runpool.workers (id, host, pid, concurrency)"
+                " VALUES (gen_random_uuid(), 'old-host', %s, 4)")
+
+
+def test_migrate__warns_about_live_pools_older_than_0006(dsn: str) -> None:
+    quiet = subprocess.run([sys.executable, "-m", "runpool", "migrate"], env=pool_env(dsn),
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0 and "older than migration 0006" not in quiet.stderr
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(OLD_REGISTER, (4242,))
+        # A stopped one and a current one (handlers named) are not warned about.
+        conn.execute(OLD_REGISTER, (4343,))
+        conn.execute("UPDATE runpool.workers SET stopped_at = now() WHERE pid = 4343")
+        conn.execute("INSERT INTO runpool.workers (id, host, pid, concurrency, handlers)"
+                     " VALUES (gen_random_uuid(), 'new-host', 4444, 4, '{noop}')")
+    out = subprocess.run([sys.executable, "-m", "runpool", "migrate"], env=pool_env(dsn),
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stderr.splitlines() if "action=old_pools_live" in line]
+    assert len(warnings) == 1, out.stderr
+    assert "1 live pool(s)" in warnings[0] and "old-host pid 4242" in warnings[0]
+    assert "4343" not in warnings[0] and "new-host" not in warnings[0]
