@@ -56,6 +56,11 @@ WHERE r.id = ANY(%s) AND r.status = 'running' AND r.handler = 'research'
   AND (SELECT count(*) FROM runpool.tool_calls t WHERE t.run_id = r.id) >= 1
 ORDER BY r.started_at LIMIT 1
 """
+# This demo's runs still waiting, by handler.
+WAITING: Final = """
+SELECT handler, array_agg(id ORDER BY created_at) FROM runpool.runs
+WHERE id = ANY(%s) AND status IN ('queued', 'running') GROUP BY handler
+"""
 
 
 def _specs(count: int) -> list[RunSpec]:
@@ -65,7 +70,7 @@ def _specs(count: int) -> list[RunSpec]:
         if i % 12 == 11:
             specs.append(RunSpec(tenant, "summarize", {"text": ""}))  # fails: nothing to do
         elif i % 12 == 5:
-            specs.append(RunSpec(tenant, "translate", {}))  # no worker knows this handler
+            specs.append(RunSpec(tenant, "translate", {}))  # no pool serves this handler
         elif i % 4 == 0:
             specs.append(RunSpec(tenant, "summarize", {"text": f"report number {i} " * 5}))
         else:
@@ -92,6 +97,7 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
               " (quotas: acme 3, globex 2, initech unlimited)")
         killed: tuple[uuid.UUID, int] | None = None
         cancelled: uuid.UUID | None = None
+        unserved: list[uuid.UUID] = []
         with pool_process(dsn, "runpool.demo:app", workers=2, concurrency=4,
                           retry_backoff_seconds=0.3, poll_seconds=1, lease_seconds=3):
             deadline = time.monotonic() + 180
@@ -107,6 +113,8 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
                     cancelled = _cancel_a_run(conn, ids)
                 if totals["queued"] + totals["running"] == 0:
                     break
+                if not unserved:
+                    unserved = _cancel_unserved(conn, ids)
                 time.sleep(0.5)
             print()
         _summary(conn, ids, killed, cancelled)
@@ -148,6 +156,26 @@ def _cancel_a_run(conn: psycopg.Connection[Any], ids: list[uuid.UUID]) -> uuid.U
     _say(f"SELECT runpool.cancel_run('{row[0]}', 'user pressed stop') -> "
          f"{answer[0] if answer else None}")
     return uuid.UUID(str(row[0]))
+
+
+def _cancel_unserved(conn: psycopg.Connection[Any], ids: list[uuid.UUID]) -> list[uuid.UUID]:
+    """Once only runs of handlers the demo's pool does not serve are left: they wait (a handler
+    missing during a deploy must not dead-letter good runs), so explain one and cancel them."""
+    waiting = dict(conn.execute(WAITING, (ids,)).fetchall())
+    if not waiting or any(app.get(handler) for handler in waiting):
+        return []
+    cancelled: list[uuid.UUID] = []
+    for handler, runs in sorted(waiting.items()):
+        answer = conn.execute("SELECT runpool.explain_run(%s)", (runs[0],)).fetchone()
+        summary = answer[0]["summary"] if answer and answer[0] else None
+        _say(f"{len(runs)} {handler} runs wait: no pool here serves {handler!r}."
+             f" explain_run('{runs[0]}') -> {summary}")
+        for run_id in runs:
+            conn.execute("SELECT runpool.cancel_run(%s, %s)",
+                         (run_id, f"no pool serves {handler}"))
+        _say(f"cancelled them: runpool.cancel_run(id, 'no pool serves {handler}')")
+        cancelled.extend(uuid.UUID(str(r)) for r in runs)
+    return cancelled
 
 
 def _summary(conn: psycopg.Connection[Any], ids: list[uuid.UUID],

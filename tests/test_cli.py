@@ -229,3 +229,25 @@ def test_refused_checkpoint_write_and_detached_run__raise_runpool_errors(
             detached.add_message_sync("assistant", "hello")  # on the loop: would hang it
 
     asyncio.run(main())
+
+
+def test_demo__completes_with_no_run_left_waiting(conn: psycopg.Connection, dsn: str) -> None:
+    # 12 runs hold one of each kind: research, summarize (one fails) and a translate run that
+    # no pool of the demo serves, which waits until the demo explains and cancels it.
+    demo = subprocess.Popen([sys.executable, "-m", "runpool", "demo", "--runs", "12"],
+                            env=pool_env(dsn), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = demo.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        # Ctrl-C: the demo drains and stops its pool on the way out.
+        demo.send_signal(signal.SIGINT)
+        demo.communicate(timeout=90)
+        raise AssertionError("the demo did not finish within 90 s") from None
+    assert demo.returncode == 0, stderr
+    assert "no live pool serves handler translate" in stdout, stdout
+    rows: dict[str, int] = dict(conn.execute(
+        "SELECT status, count(*) FROM runpool.runs GROUP BY status").fetchall())
+    assert rows.get("queued", 0) + rows.get("running", 0) == 0, rows
+    assert conn.execute("SELECT count(*) FROM runpool.runs WHERE handler = 'translate'"
+                        " AND status = 'cancelled'").fetchone() == (1,)
