@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from .errors import AppNotFound, InvalidInput
 
 __all__ = ["App", "Handler", "load_app"]
+
+logger = logging.getLogger("runpool.app")
 
 if TYPE_CHECKING:
     from .context import Run
@@ -67,6 +70,14 @@ def load_app(path: str | None) -> App:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise AppNotFound(f"cannot import app module {module_name!r}: {exc}") from exc
+    except Exception as exc:
+        # The app's own code failed at import (a bad setting, a missing file): a configuration
+        # problem like a missing module, told in one line; the traceback is for debugging.
+        logger.debug("importing app module %r failed", module_name, exc_info=True,
+                     extra={"action": "app_import_failed"})
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise AppNotFound(f"cannot import app module {module_name!r}: it raised {reason}"
+                          ) from exc
     app = getattr(module, attr or "app", None)
     if not isinstance(app, App):
         raise AppNotFound(f"{path!r} is not a runpool.App")

@@ -109,11 +109,15 @@ def test_app_that_cannot_be_loaded__exits_78_as_documented(dsn: str) -> None:
     # 78 is "cannot run here as configured" (README, `--help`); it used to be 1.
     for app, says in (("no.such.module:app", "cannot import app module"),
                       ("tests.apps:no_such_attribute", "is not a runpool.App"),
-                      ("tests.helpers:wait_for", "is not a runpool.App")):
+                      ("tests.helpers:wait_for", "is not a runpool.App"),
+                      ("tests.boom_app:app", "cannot import app module 'tests.boom_app': it"
+                       " raised RuntimeError: import boom: RUNPOOL_TEST_SETTING is not set")):
         out = subprocess.run([sys.executable, "-m", "runpool", "worker", "--app", app],
                              env=pool_env(dsn), cwd=ROOT, capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 78 and says in out.stderr, (app, out.stderr)
+        # One line naming the module and the exception, no traceback.
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
 
 
 def test_commands_on_an_unmigrated_database__name_the_fix(empty_dsn: str) -> None:
