@@ -17,12 +17,17 @@ UPDATE runpool.runs r SET paused = true
 FROM runpool.tenants t
 WHERE t.tenant = r.tenant AND t.max_running = 0 AND r.status IN ('queued', 'running');
 
--- The queue: each tenant's runs that can start now, in claim order.
-CREATE INDEX runs_ready ON runpool.runs (tenant, rank)
+-- The queue: the runs that can start now, per handler, per tenant, in claim order. Handler
+-- first: a pool probes each handler it serves, so runs of handlers it does not serve (a
+-- tenant's backlog for another fleet, or for nobody) cost its claim nothing.
+CREATE INDEX runs_ready ON runpool.runs (handler, tenant, rank)
     WHERE status = 'queued' AND NOT held AND NOT deferred AND NOT paused;
 DROP INDEX runpool.runs_queue;
--- Deferred runs by the time they become due (promoted by queries.sql promote_due).
-CREATE INDEX runs_deferred ON runpool.runs (available_at) WHERE status = 'queued' AND deferred;
+-- Deferred runs by the time they become due (promoted by queries.sql promote_due). Held runs
+-- wait for their key, not the clock: they enter this index when released, so a key's deep
+-- line of retried runs costs promote_due nothing.
+CREATE INDEX runs_deferred ON runpool.runs (available_at)
+    WHERE status = 'queued' AND deferred AND NOT held;
 -- Paused runs per tenant (unpaused by set_tenant_quota, re-checked by heal_serial_keys).
 CREATE INDEX runs_paused ON runpool.runs (tenant) WHERE paused AND status IN ('queued', 'running');
 

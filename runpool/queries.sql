@@ -45,34 +45,58 @@ FROM reaped;
 -- Put runs whose time has come (run_at, retry backoff) into the claim's index (0006: runs
 -- waiting for their time stay out of it, so the claim never walks them). Rows another
 -- transaction holds are left to the next claim.
+-- Held runs wait for their key, not for the clock: they are not in runs_deferred (promoted
+-- once released). An id array, not IN (subquery): the planner sized the subquery by its LIMIT
+-- and joined it to a scan of the whole table.
 UPDATE runpool.runs r SET deferred = false
-WHERE r.id IN (SELECT d.id FROM runpool.runs d
-               -- Held runs wait for their key, not for the clock: promoted once released.
-               WHERE d.status = 'queued' AND d.deferred AND NOT d.held
-                 AND d.available_at <= now()
-               ORDER BY d.available_at
-               LIMIT 1000
-               FOR NO KEY UPDATE SKIP LOCKED);
+WHERE r.id = ANY(ARRAY(SELECT d.id FROM runpool.runs d
+                       WHERE d.status = 'queued' AND d.deferred AND NOT d.held
+                         AND d.available_at <= now()
+                       ORDER BY d.available_at
+                       LIMIT 1000
+                       FOR NO KEY UPDATE SKIP LOCKED));
 
 -- name: lock_tenants
 -- Lock, in tenant order (so claimers never deadlock), the tenants the claim may take from: of
 -- those with runs that can start now (of a handler this pool serves) and that look under
 -- quota, the %(limit)s whose best run ranks best (only they can supply the %(limit)s best
 -- runs). The count here may be stale; claim_runs recounts under the lock.
-WITH RECURSIVE heads AS (
-    -- A loose index scan: one probe per tenant with ready runs, giving its best rank.
-    (SELECT r.tenant, r.rank FROM runpool.runs r
+WITH RECURSIVE every_handler AS (
+    -- Without a handler list (it serves everything): the handlers with ready runs, by a loose
+    -- index scan (one probe each).
+    (SELECT r.handler FROM runpool.runs r
      WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-       AND (%(handlers)s::text[] IS NULL OR r.handler = ANY(%(handlers)s::text[]))
-     ORDER BY r.tenant, r.rank LIMIT 1)
+       AND %(handlers)s::text[] IS NULL
+     ORDER BY r.handler LIMIT 1)
     UNION ALL
-    SELECT n.tenant, n.rank
-    FROM heads h CROSS JOIN LATERAL (
+    SELECT n.handler
+    FROM every_handler h CROSS JOIN LATERAL (
+        SELECT r.handler FROM runpool.runs r
+        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
+          AND r.handler > h.handler
+        ORDER BY r.handler LIMIT 1) n
+),
+served AS (
+    -- A loose index scan per served handler: one probe per tenant with ready runs of it,
+    -- giving its best rank. Runs of handlers this pool does not serve are never read.
+    SELECT s.handler, n.tenant, n.rank
+    FROM (SELECT unnest(%(handlers)s::text[]) UNION SELECT handler FROM every_handler)
+         AS s(handler)
+    CROSS JOIN LATERAL (
         SELECT r.tenant, r.rank FROM runpool.runs r
         WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-          AND (%(handlers)s::text[] IS NULL OR r.handler = ANY(%(handlers)s::text[]))
-          AND r.tenant > h.tenant
+          AND r.handler = s.handler
         ORDER BY r.tenant, r.rank LIMIT 1) n
+    UNION ALL
+    SELECT h.handler, n.tenant, n.rank
+    FROM served h CROSS JOIN LATERAL (
+        SELECT r.tenant, r.rank FROM runpool.runs r
+        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
+          AND r.handler = h.handler AND r.tenant > h.tenant
+        ORDER BY r.tenant, r.rank LIMIT 1) n
+),
+heads AS (
+    SELECT tenant, min(rank) AS rank FROM served GROUP BY tenant
 ),
 best AS (
     SELECT h.tenant
@@ -94,7 +118,24 @@ FOR NO KEY UPDATE OF t;
 -- name: claim_runs
 -- Claim up to %(limit)s runs of the tenants locked by lock_tenants, best rank first, within
 -- each tenant's free quota. Takes a lease in database time and increments the fencing token.
-WITH capacity AS (
+WITH RECURSIVE every_handler AS (
+    -- Without a handler list: the handlers with ready runs (as in lock_tenants).
+    (SELECT r.handler FROM runpool.runs r
+     WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
+       AND %(handlers)s::text[] IS NULL
+     ORDER BY r.handler LIMIT 1)
+    UNION ALL
+    SELECT n.handler
+    FROM every_handler h CROSS JOIN LATERAL (
+        SELECT r.handler FROM runpool.runs r
+        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
+          AND r.handler > h.handler
+        ORDER BY r.handler LIMIT 1) n
+),
+handlers AS (
+    SELECT unnest(%(handlers)s::text[]) AS handler UNION SELECT handler FROM every_handler
+),
+capacity AS (
     -- Recounted under the tenant locks, in this statement's fresh snapshot: no other claimer
     -- can add a live lease for these tenants until we commit, so the quota is exact.
     SELECT t.tenant,
@@ -106,20 +147,26 @@ WITH capacity AS (
     WHERE t.tenant = ANY(%(tenants)s::text[])
 ),
 candidates AS (
-    -- Only the head of each tenant's queue is read: cost does not grow with queue depth.
+    -- Only the head of each tenant's queue is read, per handler this pool serves: cost does
+    -- not grow with queue depth, nor with runs of handlers nobody here serves.
     SELECT head.id
     FROM capacity cap
     CROSS JOIN LATERAL (
-        SELECT r.id, r.rank
-        FROM runpool.runs r
-        WHERE r.tenant = cap.tenant
-          AND r.status = 'queued'
-          AND NOT r.held
-          AND NOT r.deferred
-          AND NOT r.paused
-          AND (%(handlers)s::text[] IS NULL OR r.handler = ANY(%(handlers)s::text[]))
-          AND r.available_at <= clock_timestamp()
-        ORDER BY r.rank
+        SELECT one.id, one.rank
+        FROM handlers s
+        CROSS JOIN LATERAL (
+            SELECT r.id, r.rank
+            FROM runpool.runs r
+            WHERE r.handler = s.handler
+              AND r.tenant = cap.tenant
+              AND r.status = 'queued'
+              AND NOT r.held
+              AND NOT r.deferred
+              AND NOT r.paused
+              AND r.available_at <= clock_timestamp()
+            ORDER BY r.rank
+            LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)) one
+        ORDER BY one.rank
         LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)
     ) head
     ORDER BY head.rank

@@ -232,19 +232,20 @@ def test_defect5_api_session__cannot_switch_off_the_serial_release(
 
 # -- defect 7: claim cost does not grow with future runs or paused tenants -------------------
 
-def _claim_blocks(conn: psycopg.Connection) -> tuple[int, list[str]]:
+def _claim_blocks(conn: psycopg.Connection,
+                  handlers: list[str] | None = None) -> tuple[int, list[str]]:
     """Buffers touched by one claim's statements (rolled back), and the tenants it locked."""
     blocks = 0
     with conn.transaction():
         stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
             QUERIES["lock_tenants"])
-        plan = scalar(conn, stmt, {"handlers": None, "limit": 10})[0]["Plan"]
+        plan = scalar(conn, stmt, {"handlers": handlers, "limit": 10})[0]["Plan"]
         blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
         locked = [t for (t,) in conn.execute(QUERIES["lock_tenants"],
-                                              {"handlers": None, "limit": 10})]
+                                              {"handlers": handlers, "limit": 10})]
         stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
             QUERIES["claim_runs"])
-        plan = scalar(conn, stmt, {"tenants": locked, "limit": 10, "handlers": None,
+        plan = scalar(conn, stmt, {"tenants": locked, "limit": 10, "handlers": handlers,
                                    "worker_id": uuid.uuid4(), "lease_seconds": 30})[0]["Plan"]
         blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
         raise psycopg.Rollback()  # EXPLAIN ANALYZE really claims: undo it
@@ -465,3 +466,43 @@ def test_review2_keyed_enqueue_and_retry__never_scan_the_table_once_the_plan_is_
         assert _seq_scans_of_runs(api) == before
         # The keyed path's custom plans do not outlive the call.
         assert scalar(api, "SHOW plan_cache_mode") == "auto"
+
+
+def _blocks(conn: psycopg.Connection, query: str) -> int:
+    """Buffers one statement touches (rolled back)."""
+    with conn.transaction():
+        stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(query)
+        plan = scalar(conn, stmt)[0]["Plan"]
+        raise psycopg.Rollback()
+    return int(plan["Shared Hit Blocks"] + plan["Shared Read Blocks"])
+
+
+def test_review3_claim__cost_ignores_held_deferred_runs_and_runs_of_unserved_handlers(
+        conn: psycopg.Connection) -> None:
+    conn.execute("SET jit = off")
+    runpool.enqueue(conn, "live", "noop")
+    conn.execute("ANALYZE runpool.runs")
+    empty, locked = _claim_blocks(conn, ["noop", "sleep"])
+    assert locked == ["live"]
+    promote_empty = _blocks(conn, QUERIES["promote_due"])
+    # A key's line of 5,000 runs waiting held and deferred (retries in backoff), all due,
+    # behind a head that runs for a day.
+    conn.execute("""
+        INSERT INTO runpool.runs (tenant, handler, input, priority, available_at, rank,
+                                  max_attempts, serial_key, serial_order, status, held, deferred,
+                                  attempt, lease_expires_at)
+        SELECT 'atk', 'noop', '{}', 0, now() - interval '1 s', g, 3, 'k', g,
+               CASE WHEN g = 0 THEN 'running' ELSE 'queued' END, g > 0, g > 0, 1,
+               CASE WHEN g = 0 THEN now() + interval '1 day' END
+        FROM generate_series(0, 5000) g""")
+    # 5,000 ready runs, ranked best, of a handler no pool here serves.
+    conn.execute("""
+        INSERT INTO runpool.runs (tenant, handler, input, priority, available_at, rank,
+                                  max_attempts, status)
+        SELECT 'atk', 'nobody', '{}', 0, now(), g - 1e9, 3, 'queued'
+        FROM generate_series(1, 5000) g""")
+    conn.execute("ANALYZE runpool.runs")
+    assert _blocks(conn, QUERIES["promote_due"]) <= promote_empty + 5
+    loaded, locked = _claim_blocks(conn, ["noop", "sleep"])
+    assert locked == ["live"]
+    assert loaded <= empty * 1.5 + 10, (empty, loaded)
