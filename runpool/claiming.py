@@ -82,11 +82,16 @@ async def claim_statements(
     With `touch`, the worker's liveness is recorded in the same transaction, so an idle worker
     costs one transaction per poll and no more. `reap_expired` returns expired leases to the
     queue first (a busy worker need not do it on every claim: an expired lease never counts
-    against a quota, it only waits to be claimable again). With `handlers`, only runs of those
-    handlers are claimed (a mixed fleet: another pool's runs wait for it).
+    against a quota, it only waits to be claimable again) and gives headless serial keys their
+    head (see heal_serial_keys). With `handlers`, only runs of those handlers are claimed (a
+    mixed fleet: another pool's runs wait for it).
     """
     if reap_expired:
         await conn.execute(QUERIES["reap_expired"])
+        # The heal sweep rides here, at the reap's cadence, rather than in a transaction of
+        # its own: an idle pool costs one transaction per poll and no more (W3). It never
+        # waits for a lock, so it cannot hold the claim up.
+        await conn.execute(QUERIES["heal_serial_keys"])
     if touch:
         await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
     # Runs whose time has come join the claim's index first (one index probe when none has).

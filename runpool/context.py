@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
@@ -108,6 +110,9 @@ class Run:
         self._inflight: dict[str, tuple[str, Any, asyncio.Future[Any]]] = {}
         self._cancelled = asyncio.Event()
         self._lost = False
+        # Monotonic time after which the lease may have run out (set by the worker's lease
+        # clock, see Slot.renew): a tool never starts past it.
+        self._lease_until = math.inf
         # Writes of one run are serialised: the message sequence is max + 1 under the fence.
         self._write_lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
@@ -288,6 +293,14 @@ class Run:
         except CallMismatch as exc:
             raise InvalidInput(str(exc)) from None
         self._remember(call_id, name, committed_args, "started", None)
+        faults.hit("tool.intended")
+        # The intent's commit may be answered long after it was sent (the process was paused,
+        # the network slow): by then a new attempt may be running this very call, so a tool
+        # never starts once the lease may have run out on the local clock (the intent stays
+        # 'started': the next attempt runs the tool, or reports ToolOutcomeUnknown).
+        if time.monotonic() > self._lease_until:
+            self._lost = True
+        self._writable()
         status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
         faults.hit("tool.returned")
         try:

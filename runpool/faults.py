@@ -7,7 +7,8 @@ marker file there and fires once per pool instead of once per process (a restart
 would otherwise hit it again and never get past it).
 
 Points: claim.locked (tenants locked, the claim statement not yet sent), claim.committed (the
-claim is durable, no handler started yet), tool.returned (the tool's side effect happened, its
+claim is durable, no handler started yet), tool.intended (a tool call's intent committed, the
+tool not yet started), tool.returned (the tool's side effect happened, its
 result not yet committed), checkpoint.committed (a tool result and its message just
 committed), outcome.committing (a batch of outcomes about to be written).
 Actions: kill (SIGKILL this worker), stop (SIGSTOP it: a zombie until someone sends SIGCONT),
@@ -33,8 +34,8 @@ __all__ = ["POINTS", "armed", "hit"]
 
 logger = logging.getLogger("runpool.faults")
 
-POINTS = frozenset({"claim.locked", "claim.committed", "tool.returned", "checkpoint.committed",
-                    "outcome.committing"})
+POINTS = frozenset({"claim.locked", "claim.committed", "tool.intended", "tool.returned",
+                    "checkpoint.committed", "outcome.committing"})
 _ACTIONS = frozenset({"kill", "stop", "sever"})
 _SEVERABLE = frozenset({"claim.locked", "outcome.committing"})
 

@@ -28,3 +28,11 @@ class Slot:
     # The worker gave up waiting for the run's threads: it exits, and they end with it.
     abandoned: bool = False
     extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.renew(self.deadline)
+
+    def renew(self, deadline: float) -> None:
+        """The lease may now run out at `deadline` (monotonic): the run's tools see it too."""
+        self.deadline = deadline
+        self.run._lease_until = deadline

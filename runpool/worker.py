@@ -406,7 +406,6 @@ class Worker:
                 assert pool is not None
                 try:
                     await self._beat(pool)
-                    await self._heal(pool)
                     interval = self.settings.heartbeat_seconds
                 except (psycopg.OperationalError, TimeoutError) as exc:
                     logger.warning("heartbeat failed: %r", exc,
@@ -450,21 +449,11 @@ class Worker:
                     logger.debug("lease of run %s not renewed: its row is locked",
                                  slot.claimed.id, extra={"action": "lease_busy", **slot.extra})
                     continue
-                slot.deadline = sent + self.settings.lease_seconds
+                slot.renew(sent + self.settings.lease_seconds)
                 if cancel:
                     self.cancels.cancel(slot)
             elif not slot.finishing and self.slots.get(slot.claimed.id) is slot:
                 self._abandon(slot, "the database no longer shows this attempt's lease")
-
-    async def _heal(self, pool: AsyncConnectionPool) -> None:
-        """Give headless serial keys their head (a release that found its key locked by a
-        caller's open transaction left the key to this sweep)."""
-        async with bounded(pool, self.settings.heartbeat_seconds) as conn:
-            cur = await conn.execute(QUERIES["heal_serial_keys"])
-            row = await cur.fetchone()
-        if row and row[0]:
-            logger.info("released the next run of %d headless serial keys", row[0],
-                        extra={"action": "serial_keys_healed", **self._log})
 
     def _abandon_expired(self) -> None:
         now = time.monotonic()

@@ -269,6 +269,33 @@ def test_zombie__a_stopped_worker_resumed_after_a_reclaim_writes_nothing(
     assert_invariants(conn)
 
 
+def test_zombie__resumed_between_a_tool_intent_and_the_tool__does_not_start_the_tool(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """The worker stops itself right after c1's intent committed (the answer to the intent
+    write read late: a paused process, a slow network); a new attempt runs c1 meanwhile. On
+    resume the lease has run out by the local clock: the zombie must not start c1 again."""
+    run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 3})
+    with running_pool(dsn, lease_seconds=1.2,
+                      env={"RUNPOOL_FAULTS": "tool.intended=stop@2"}) as first:
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s"
+                                " AND call_id = 'c1'", run_id), what="c1's intent")
+        pid = scalar(conn, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
+                     " ON r.worker_id = w.id WHERE r.id = %s", run_id)
+        try:
+            with running_pool(dsn, lease_seconds=1.2):
+                wait_for(lambda: _done(conn, run_id), timeout=30, what="run finished")
+            os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: "action=lease_lost" in first.log(), what="zombie notices")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert run_row(conn, run_id)["attempt"] == 2
+    # c1 was started by attempt 1 and never committed: attempt 2 ran it; the zombie did not.
+    assert conn.execute("SELECT call_id, attempt FROM tool_log WHERE run_id = %s"
+                        " ORDER BY at", (run_id,)).fetchall() == [
+        ("c0", 1), ("c1", 2), ("c2", 2)]
+    assert_invariants(conn)
+
+
 def test_connections_killed_during_checkpoint_commits__each_call_committed_once(
         conn: psycopg.Connection, dsn: str) -> None:
     run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 30}, max_attempts=50)

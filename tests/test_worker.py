@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 
 import psycopg
@@ -183,3 +184,24 @@ def test_lease_taken_over__task_cancelled_and_its_outcome_fenced(
     assert scalar(conn, "SELECT count(*) FROM runpool.run_events WHERE run_id = %s"
                   " AND kind = 'succeeded'", run_id) == 1
     assert_invariants(conn)
+
+
+def test_idle_worker__its_heartbeat_costs_no_transaction(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """W3 in small: an idle worker's heartbeat runs nothing (the serial-key heal sweep rides
+    in the poll's claim transaction). With a heartbeat every 1/3 s and no poll due in the
+    window, a sweep with a transaction of its own would cost ~12 transactions in these 4 s."""
+    xacts = "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s"
+    with running_pool(dsn, lease_seconds=1.0, poll_seconds=30):
+        wait_for(lambda: live_workers(conn), what="worker up")
+        # Past startup's transactions: an idle backend may report its counts up to 10 s late
+        # (PostgreSQL's PGSTAT_IDLE_INTERVAL). The first poll ran at startup; the next is due
+        # in 30 s.
+        time.sleep(11)
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        before = scalar(conn, xacts, conn.info.dbname)
+        time.sleep(4)
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        after = scalar(conn, xacts, conn.info.dbname)
+    # This test's own statements (2 or 3) and 1 to spare.
+    assert after - before <= 4, after - before
