@@ -13,7 +13,7 @@ from psycopg.adapt import Buffer, Loader
 from psycopg.rows import dict_row
 
 from . import faults
-from .db import loads
+from .db import loads_exact
 from .errors import InvalidInput
 from .queries import QUERIES
 
@@ -42,7 +42,7 @@ class ClaimedRun:
         """The run's input as Python values; InvalidInput for a value jsonb holds but the
         decoder refuses (JSON nested deeper than orjson's 1,024 levels, say)."""
         try:
-            return loads(self.input)
+            return loads_exact(self.input)
         except ValueError as exc:
             raise InvalidInput(f"the run's input cannot be decoded: {exc}") from None
 

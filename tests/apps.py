@@ -218,3 +218,9 @@ async def plain_tool(run: runpool.Run) -> Any:
         return {"done": True}
 
     return await run.tool("c0", "slow", {"steps": run.input.get("steps", 20)}, slow)
+
+
+@app.handler("input_types")
+async def input_types(run: runpool.Run) -> Any:
+    """Each input value's Python type and exact text (a >64-bit int cannot be returned as is)."""
+    return {key: [type(value).__name__, str(value)] for key, value in run.input.items()}

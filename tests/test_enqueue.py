@@ -1,16 +1,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 import runpool
 from runpool.db import aconnect, connect
-from tests.helpers import events, run_row, scalar
+from tests.helpers import events, run_row, running_pool, scalar, wait_for
 
 
 def test_enqueue__stores_the_run_and_joins_the_callers_transaction(dsn: str) -> None:
@@ -131,3 +133,24 @@ def test_enqueue_sql__injection_in_tenant_is_just_data(conn: psycopg.Connection)
     tenant = "x'); DROP TABLE runpool.runs; --"
     run_id = scalar(conn, "SELECT runpool.enqueue(%s, 'noop')", tenant)
     assert run_row(conn, run_id)["tenant"] == tenant
+
+
+def test_input_integers_beyond_64_bits__reach_the_handler_exact(conn: psycopg.Connection,
+                                                                 dsn: str) -> None:
+    # Through SQL (another language's client, a trigger): jsonb stores any integer exactly.
+    big = {"big": 123456789012345678901234567890, "low": -9223372036854775809,
+           "max": 18446744073709551615, "small": 7, "pi": 3.25, "text": "1234567890123456789012"}
+    run_id = scalar(conn, "SELECT runpool.enqueue('acme', 'input_types', %s)",
+                    Jsonb(big, dumps=json.dumps))
+    long_text = scalar(conn, "SELECT runpool.enqueue('acme', 'input_types', %s)",
+                       Jsonb({"n": 1, "text": "1234567890123456789012"}, dumps=json.dumps))
+    with running_pool(dsn):
+        wait_for(lambda: all(run_row(conn, r)["status"] == "succeeded"
+                             for r in (run_id, long_text)), what="runs")
+    assert run_row(conn, run_id)["result"] == {
+        key: [type(value).__name__, str(value)] for key, value in big.items()}
+    assert run_row(conn, long_text)["result"] == {"n": ["int", "1"],
+                                                  "text": ["str", "1234567890123456789012"]}
+    # runpool's Python API refuses what it could not give back exactly.
+    with pytest.raises(runpool.InvalidInput, match="64-bit"):
+        runpool.enqueue(conn, "acme", "input_types", {"big": 2**64})
