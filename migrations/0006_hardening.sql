@@ -484,6 +484,7 @@ DECLARE
     live integer;
     ahead bigint;
     blocker uuid;
+    holder integer;
     served boolean;
     reasons jsonb := '[]';
     doc jsonb;
@@ -539,10 +540,31 @@ BEGIN
         SELECT b.id INTO blocker FROM runpool.runs b
         WHERE b.tenant = run.tenant AND b.serial_key = run.serial_key
           AND b.status IN ('queued', 'running') AND NOT b.held;
-        reasons := reasons || jsonb_build_array(CASE WHEN blocker IS NULL
-            THEN format('next in line of serial key %s: released within a heartbeat',
+        IF blocker IS NULL THEN
+            -- A session holding the key's lock (7370) or commit lock (7371) keeps the sweep
+            -- off the key while it does: any login that can connect can take them (README:
+            -- Hostile tenants and logins), so name it. A bigint advisory key is stored as
+            -- classid (high 32 bits) and objid (low 32 bits), objsubid 1.
+            SELECT min(l.pid) INTO holder FROM pg_locks l
+            CROSS JOIN LATERAL (VALUES
+                (hashtextextended(run.tenant || chr(31) || run.serial_key, 7370)),
+                (hashtextextended(run.tenant || chr(31) || run.serial_key, 7371))) AS k(lock)
+            WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+              AND l.database = (SELECT d.oid FROM pg_database d
+                                WHERE d.datname = current_database())
+              AND l.classid = ((k.lock >> 32) & 4294967295)::oid
+              AND l.objid = (k.lock & 4294967295)::oid
+              AND l.pid <> pg_backend_pid();
+        END IF;
+        reasons := reasons || jsonb_build_array(CASE
+            WHEN blocker IS NOT NULL
+            THEN format('waiting for run %s of the same serial key %s', blocker,
                         run.serial_key)
-            ELSE format('waiting for run %s of the same serial key %s', blocker,
+            WHEN holder IS NOT NULL
+            THEN format('next in line of serial key %s, whose lock session pid %s holds:'
+                        ' released once that session''s transaction ends (pg_stat_activity'
+                        ' shows it; pg_terminate_backend ends it)', run.serial_key, holder)
+            ELSE format('next in line of serial key %s: released within a heartbeat',
                         run.serial_key) END);
     END IF;
     IF run.available_at > now() THEN

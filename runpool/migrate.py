@@ -63,6 +63,8 @@ SELECT host, pid FROM runpool.workers
 WHERE handlers IS NULL AND stopped_at IS NULL AND last_seen_at > now() - interval '1 minute'
 ORDER BY host, pid
 """
+# Whether every login may connect to this database (PUBLIC's default CONNECT privilege).
+PUBLIC_CONNECT: Final = "SELECT has_database_privilege('public', current_database(), 'CONNECT')"
 # The same record, spelled with literals for a script that psql runs (`migrate --sql`).
 RECORD_LITERAL: Final = sql.SQL(
     "INSERT INTO runpool.schema_migrations (version, name) VALUES ({}, {});")
@@ -113,7 +115,23 @@ def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
             conn.execute(cast(LiteralString, m.sql))  # type: ignore[redundant-cast]
             conn.execute(RECORD, (m.version, m.name))
     warn_old_pools(conn)
+    warn_public_connect(conn)
     return todo
+
+
+def warn_public_connect(conn: psycopg.Connection[Any]) -> None:
+    """Log a warning when every login may connect to runpool's database. Any connected login
+    can take the advisory locks of a serial key (keeping the key headless while it holds them)
+    and send runpool's notifications; no privilege covers either, so only CONNECT keeps
+    untrusted logins out (README: Hostile tenants and logins)."""
+    row = conn.execute(PUBLIC_CONNECT).fetchone()
+    if row and row[0]:
+        db = conn.info.dbname
+        logger.warning(
+            "PUBLIC may CONNECT to database %s: any login can then hold a serial key's advisory"
+            " locks and send runpool's notifications; REVOKE CONNECT ON DATABASE %s FROM"
+            " PUBLIC and grant it to runpool's roles", db, db,
+            extra={"action": "public_connect", "database": db})
 
 
 def warn_old_pools(conn: psycopg.Connection[Any]) -> None:

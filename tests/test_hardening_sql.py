@@ -536,3 +536,23 @@ def test_review4_heal_sweep__visits_a_bounded_number_of_keys_and_resumes_where_i
     headless(["a"])
     assert [scalar(conn, "SELECT runpool.heal_serial_keys()") for _ in range(2)] == [1, 0]
     assert conn.execute(BAD_KEYS).fetchall() == []
+
+
+def test_review5_explain__a_key_kept_headless_by_a_sessions_advisory_lock_names_its_pid(
+        conn: psycopg.Connection, dsn: str) -> None:
+    head = runpool.enqueue(conn, "acme", "noop", serial_key="k1")
+    nxt = runpool.enqueue(conn, "acme", "noop", serial_key="k1")
+    with connect(dsn) as squatter:
+        # What any login that may connect can do: both of the key's locks, held open.
+        squatter.execute("SELECT pg_advisory_xact_lock(hashtextextended("
+                         "'acme' || chr(31) || 'k1', 7371)), pg_advisory_xact_lock("
+                         "hashtextextended('acme' || chr(31) || 'k1', 7370))")
+        pid = squatter.info.backend_pid
+        assert scalar(conn, "SELECT runpool.cancel_run(%s)", head) == "cancelled"
+        assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 0  # the key stays headless
+        summary = scalar(conn, "SELECT runpool.explain_run(%s) ->> 'summary'", nxt)
+        assert f"whose lock session pid {pid} holds" in summary, summary
+        squatter.rollback()
+    assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 1
+    doc = scalar(conn, "SELECT runpool.explain_run(%s)", nxt)
+    assert "pid" not in doc["summary"]

@@ -5,6 +5,7 @@ import sys
 import threading
 
 import psycopg
+from psycopg import sql
 import pytest
 
 from runpool.db import connect
@@ -96,3 +97,18 @@ def test_migrate__warns_about_live_pools_older_than_0006(dsn: str) -> None:
     assert len(warnings) == 1, out.stderr
     assert "1 live pool(s)" in warnings[0] and "old-host pid 4242" in warnings[0]
     assert "4343" not in warnings[0] and "new-host" not in warnings[0]
+
+
+def test_migrate__warns_while_every_login_may_connect(dsn: str) -> None:
+    def warnings() -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "runpool", "migrate"], env=pool_env(dsn),
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr  # a warning, not a failure
+        return [line for line in out.stderr.splitlines() if "action=public_connect" in line]
+
+    (line,) = warnings()  # PostgreSQL's default: PUBLIC may connect
+    assert "REVOKE CONNECT ON DATABASE" in line
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("REVOKE CONNECT ON DATABASE {} FROM PUBLIC").format(
+            sql.Identifier(conn.info.dbname)))
+    assert warnings() == []
