@@ -5,8 +5,8 @@ import sys
 import threading
 
 import psycopg
-from psycopg import sql
 import pytest
+from psycopg import sql
 
 from runpool.db import connect
 from runpool.errors import SchemaOutOfDate
