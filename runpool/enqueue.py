@@ -37,6 +37,14 @@ ORDER BY s.n
 """
 
 
+# Distinct serial keys one enqueue_many may carry. Each key holds an advisory lock until the
+# caller commits (two once its run waits), and the server's lock table is shared and fixed
+# (max_locks_per_transaction x max_connections: 6,400 entries by default): thousands of keys
+# in one open transaction would fill it, and every session would then fail "out of shared
+# memory" (README: Serial keys).
+MAX_SERIAL_KEYS: Final = 1000
+
+
 def _check_text(name: str, value: object) -> None:
     """Text PostgreSQL can store: no NUL, and valid UTF-8 (a lone surrogate is not)."""
     if not isinstance(value, str):
@@ -194,9 +202,17 @@ def _many_params(specs: Iterable[RunSpec]) -> dict[str, list[Any]]:
 
 
 def enqueue_many(conn: psycopg.Connection[Any], specs: Iterable[RunSpec]) -> list[uuid.UUID]:
-    """Enqueue many runs in one statement (all or none); ids in the order given."""
+    """Enqueue many runs in one statement (all or none); ids in the order given. At most
+    MAX_SERIAL_KEYS distinct serial keys per call (InvalidInput beyond, nothing written)."""
     params = _many_params(specs)
     if not params:
         return []
+    keys = {(t, k) for t, k in zip(params["tenant"], params["serial_key"], strict=True)
+            if k is not None}
+    if len(keys) > MAX_SERIAL_KEYS:
+        raise InvalidInput(
+            f"enqueue_many: {len(keys)} distinct serial keys in one call, over the limit of"
+            f" {MAX_SERIAL_KEYS} (each holds a lock until commit): split the batch and commit"
+            " each part")
     with _guard(conn):
         return [row[0] for row in conn.execute(ENQUEUE_MANY, params)]

@@ -556,3 +556,19 @@ def test_review5_explain__a_key_kept_headless_by_a_sessions_advisory_lock_names_
     assert scalar(conn, "SELECT runpool.heal_serial_keys()") == 1
     doc = scalar(conn, "SELECT runpool.explain_run(%s)", nxt)
     assert "pid" not in doc["summary"]
+
+
+def test_review6_enqueue_many__caps_distinct_serial_keys_per_call(
+        conn: psycopg.Connection) -> None:
+    from runpool.enqueue import MAX_SERIAL_KEYS
+
+    too_many = [runpool.RunSpec("acme", "noop", serial_key=f"k{i}")
+                for i in range(MAX_SERIAL_KEYS + 1)]
+    with pytest.raises(runpool.InvalidInput, match="1001 distinct serial keys"):
+        runpool.enqueue_many(conn, too_many)
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 0
+    # The limit itself is fine, and so are many runs of few keys and unkeyed runs.
+    assert len(runpool.enqueue_many(conn, too_many[:-1])) == MAX_SERIAL_KEYS
+    same_key = [runpool.RunSpec("acme", "noop", serial_key="one")] * 1500
+    assert len(runpool.enqueue_many(conn, same_key)) == 1500
+    assert len(runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop")] * 1500)) == 1500
