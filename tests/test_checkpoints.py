@@ -238,10 +238,13 @@ def test_store__load_returns_what_was_committed(conn: psycopg.Connection, dsn: s
 
 def test_zombie__a_stopped_worker_resumed_after_a_reclaim_writes_nothing(
         conn: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 12, "tool_seconds": 0.2})
+    run_id = runpool.enqueue(conn, "acme", "agent", {"steps": 8, "tool_seconds": 0.5})
     with running_pool(dsn, lease_seconds=1.2) as first:
-        wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.messages"
-                                " WHERE run_id = %s", run_id) >= 2, what="progress")
+        # Stopped while c1 runs (its execution recorded, the tool sleeping): a stop that lands
+        # before the tool has recorded its execution would make the zombie's in-flight call
+        # look started after attempt 2 committed it (see test_zombie__resumed_between...).
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM tool_log WHERE run_id = %s"
+                                " AND call_id = 'c1'", run_id), interval=0.01, what="c1 running")
         pid = scalar(conn, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
                      " ON r.worker_id = w.id WHERE r.id = %s", run_id)
         os.kill(pid, signal.SIGSTOP)
@@ -264,7 +267,7 @@ def test_zombie__a_stopped_worker_resumed_after_a_reclaim_writes_nothing(
     assert late == 0
     # Every committed call ran once; only the call in flight at the stop may have run twice.
     executions = _executions(conn, run_id)
-    assert sorted(executions) == sorted(f"c{i}" for i in range(12))
+    assert sorted(executions) == sorted(f"c{i}" for i in range(8))
     assert sum(n - 1 for n in executions.values()) <= 1
     assert_invariants(conn)
 
