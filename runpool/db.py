@@ -53,6 +53,18 @@ KEEPALIVES: dict[str, Any] = {
     "keepalives_count": 3,
     "tcp_user_timeout": 30_000,
 }
+# Seconds a new connection may take to be established (psycopg's default is 130 s): one
+# started while the network is silent (a listener's or a pool's reconnect) would otherwise
+# hang for two minutes after the path heals. The DSN's (or PGCONNECT_TIMEOUT's) value wins.
+CONNECT_TIMEOUT = 10
+
+
+def _options(dsn: str, connect_timeout: int | None = None) -> dict[str, Any]:
+    """Keyword options of every runpool connection: keepalives and a bounded attempt."""
+    if connect_timeout is None and ("connect_timeout" in conninfo_to_dict(dsn)
+                                    or os.environ.get("PGCONNECT_TIMEOUT")):
+        return dict(KEEPALIVES)
+    return {**KEEPALIVES, "connect_timeout": connect_timeout or CONNECT_TIMEOUT}
 
 
 # A NUL escape in JSON text: \u0000 preceded by an even number of backslashes (an odd number
@@ -145,7 +157,7 @@ def configure(context: AdaptContext) -> None:
 
 
 def connect(dsn: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
-    conn = psycopg.connect(dsn, autocommit=True, **KEEPALIVES)
+    conn = psycopg.connect(dsn, autocommit=True, **_options(dsn))
     configure(conn)
     conn.execute(SESSION_SETUP)
     conn.autocommit = autocommit
@@ -153,7 +165,7 @@ def connect(dsn: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
 
 
 async def aconnect(dsn: str, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **KEEPALIVES)
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **_options(dsn))
     configure(conn)
     await conn.execute(SESSION_SETUP)
     await conn.set_autocommit(autocommit)
@@ -175,8 +187,9 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
     (WORKER_SESSION). A connection broken otherwise (a restart, a failover,
     pg_terminate_backend) fails its statement; the pool replaces it, and the operations that
     are safe to repeat retry on another connection (see retrying).
-    `connect_timeout` (seconds, at least 2) bounds each new connection's attempt: one started
-    while the network is silent would otherwise wait for as long as it stays silent."""
+    `connect_timeout` (seconds, at least 2; default CONNECT_TIMEOUT unless the DSN sets one)
+    bounds each new connection's attempt: one started while the network is silent would
+    otherwise wait for as long as it stays silent."""
     pool: AsyncConnectionPool = AsyncConnectionPool(
         dsn,
         min_size=size,
@@ -185,9 +198,9 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
         open=False,
         # Named after the pool (unless the DSN names its connections): an operator can tell a
         # worker's connections in pg_stat_activity.
-        kwargs={**KEEPALIVES, **({} if "application_name" in conninfo_to_dict(dsn)
-                                 else {"application_name": name}),
-                **({} if connect_timeout is None else {"connect_timeout": connect_timeout})},
+        kwargs={**_options(dsn, connect_timeout),
+                **({} if "application_name" in conninfo_to_dict(dsn)
+                   else {"application_name": name})},
         configure=_configure_pooled,
         max_idle=300,
         reconnect_timeout=3600,

@@ -11,7 +11,8 @@ import psycopg
 import pytest
 
 import runpool
-from runpool.db import bounded, connect, open_pool
+from runpool import db
+from runpool.db import aconnect, bounded, connect, open_pool
 from runpool.migrate import migrate
 from runpool.proxy import Proxy
 from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
@@ -47,6 +48,26 @@ def test_blackholed_database__worker_gives_up_its_lease_and_recovers_after_heali
         assert row["attempt"] == 2 and row["result"]["attempt"] == 2
         assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed", "succeeded"]
     assert_invariants(conn)
+
+
+def test_blackholed_connect__gives_up_at_the_default_connect_timeout(
+        dsn: str, proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection attempt started while the network is silent (a listener's reconnect, a
+    pool's) gives up at runpool's connect timeout, not psycopg's 130 s; a DSN's own wins."""
+    monkeypatch.setattr(db, "CONNECT_TIMEOUT", 2, raising=False)  # 10 s normally
+
+    async def attempt(target: str) -> float:
+        started = time.monotonic()
+        with pytest.raises(psycopg.OperationalError):
+            await asyncio.wait_for(aconnect(target), 20)
+        return time.monotonic() - started
+
+    proxy.blackholed.set()
+    assert asyncio.run(attempt(proxy.dsn(dsn))) < 6
+    assert asyncio.run(attempt(proxy.dsn(dsn) + " connect_timeout=3")) >= 2.9
+    proxy.blackholed.clear()
+    with connect(proxy.dsn(dsn)) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
 def test_blackholed_statement__fails_at_its_deadline_and_the_connection_is_replaced(
