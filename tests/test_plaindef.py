@@ -83,8 +83,11 @@ def test_drain__a_plain_run_never_executes_in_two_pools_at_once(
     exits, the thread with it, the lease expires); one that writes is refused at its next
     add_message_sync, its thread ends, and only then is the run released. Meanwhile a second
     pool waits to take the run over."""
+    # 300 steps (30 s and more): far longer than the drain takes to end the first pool's
+    # worker (grace 1 s, the cancelled task's 5 s, the exit), also under load (CI: 60 steps
+    # all ran before the worker exited).
     run_id = runpool.enqueue(conn, "acme", "plain_steps", {
-        "steps": 60, "step": 0.1, "later_steps": 3, "writes": writes})
+        "steps": 300, "step": 0.1, "later_steps": 3, "writes": writes})
     with running_pool(dsn, grace_seconds=1, lease_seconds=3, concurrency=2) as first:
         wait_for(lambda: steps(conn, run_id) >= 3, what="the first pool's thread to run")
         with running_pool(dsn, grace_seconds=1, lease_seconds=3, poll_seconds=0.5) as second:
@@ -97,7 +100,7 @@ def test_drain__a_plain_run_never_executes_in_two_pools_at_once(
     runs = assert_no_overlap(conn, run_id)
     assert [r[0] for r in runs] == [1, 2], runs
     assert runs[0][1] != runs[1][1], "the second attempt ran in the other pool"
-    assert runs[0][4] < 60, "the drain did end the first execution"
+    assert runs[0][4] < 300, "the drain did end the first execution"
     if writes:
         assert "thread_stuck" not in log and "released 1 runs" in log, log[-3000:]
         released = scalar(conn, "SELECT at FROM runpool.run_events WHERE run_id = %s"
