@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
@@ -33,6 +34,17 @@ EXIT_CONFIG = 78
 # A worker exits with this code to end a run's thread that outlived its grace (a thread cannot
 # be stopped): the supervisor restarts it like any other exit.
 EXIT_STUCK = 75
+# An orphaned worker (its supervisor died) that has not finished stopping after this many
+# seconds exits at once, with this code.
+ORPHAN_EXIT_SECONDS = 8.0
+EXIT_ORPHANED = 70
+
+
+def _exit_orphan() -> None:
+    logger.error("orphaned worker still stopping after %.0fs; exiting now (its runs are"
+                 " reclaimed when their leases expire)", ORPHAN_EXIT_SECONDS,
+                 extra={"action": "orphan_exit"})
+    os._exit(EXIT_ORPHANED)
 
 
 def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> int:
@@ -69,6 +81,12 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
             loop.remove_reader(parent_fd)
             logger.warning("supervisor is gone; stopping", extra={"action": "orphaned"})
             pool.stop(now=True)
+            # Nobody restarts or reaps an orphan, so it must end whatever its release waits
+            # on (a silent database holds each statement to its deadline): a thread, not the
+            # loop, keeps this promise. Runs not released are reclaimed at lease expiry.
+            timer = threading.Timer(ORPHAN_EXIT_SECONDS, _exit_orphan)
+            timer.daemon = True
+            timer.start()
 
         loop.add_reader(parent_fd, on_parent_gone)
     # This process is the pool's own, so it may install a global tracer provider (built from

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,16 @@ from runpool import db
 from runpool.db import aconnect, bounded, connect, open_pool
 from runpool.migrate import migrate
 from runpool.proxy import Proxy
-from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
+from tests.helpers import (
+    assert_invariants,
+    events,
+    live_workers,
+    pid_alive,
+    run_row,
+    running_pool,
+    scalar,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -207,3 +217,20 @@ def test_postgres_crash_restart__runs_in_flight_all_finish_once(private_server: 
             kinds = events(conn, run_id)
             assert kinds.count("succeeded") == 1 and kinds[-1] == "succeeded", kinds
         assert_invariants(conn)
+
+
+def test_supervisor_sigkilled_while_the_database_is_silent__workers_still_exit(
+        conn: psycopg.Connection, dsn: str, proxy: Proxy) -> None:
+    # An orphaned worker has nobody to answer to: whatever its shutdown waits on (here every
+    # statement of its release and unregister, black-holed), it must not outlive its supervisor
+    # for long. Its runs are then reclaimed when their leases expire, as after any crash.
+    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 60})
+    with running_pool(proxy.dsn(dsn), workers=2, lease_seconds=30) as pool:
+        wait_for(lambda: run_row(conn, run_id)["status"] == "running", what="claim")
+        workers = live_workers(conn)
+        proxy.blackholed.set()
+        pool.send_signal(signal.SIGKILL)
+        pool.wait(timeout=10)
+        wait_for(lambda: not any(pid_alive(pid) for _, pid in workers), timeout=15,
+                 what="orphaned workers to exit")
+        proxy.blackholed.clear()
