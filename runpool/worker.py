@@ -43,6 +43,18 @@ logger = logging.getLogger("runpool.worker")
 REAP_INTERVAL = 1.0
 
 
+async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel tasks and wait until every one has ended. A cancellation can be swallowed:
+    Python 3.11's wait_for (psycopg_pool's open and waits use it) returns a result that
+    completed at the same moment instead of raising, so a task cancelled once may go on
+    (a worker orphaned at its start hung on its heartbeat's pool opening). Cancel again."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
+
+
 class Worker:
     def __init__(self, settings: Settings, app: App, dsn: str, *,
                  tracer_provider: Any = None) -> None:
@@ -115,9 +127,7 @@ class Worker:
                 # released now, not left to cost their attempts at lease expiry.
                 await self._drain(abort)
         finally:
-            for task in side:
-                task.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            await _cancel_all(side)
             await self._unregister()
             await self._pool.close()
             logger.info("worker stopped", extra={"action": "worker_stopped", **self._log})

@@ -25,6 +25,7 @@ from psycopg.rows import dict_row
 
 import runpool
 from runpool.db import aconnect
+from runpool.worker import Worker
 from tests.helpers import ROOT, assert_invariants, pool_env
 
 # The host application's own handlers (an embedded pool takes an App object).
@@ -281,5 +282,28 @@ def test_bad_arguments__runpool_errors_before_anything_starts(dsn: str,
         with pytest.raises(runpool.SchemaOutOfDate, match="python -m runpool migrate"):
             async with runpool.Pool("tests.apps:app", dsn=empty_dsn):
                 raise AssertionError("a pool on an unmigrated database must not start")
+
+    asyncio.run(main())
+
+
+def test_a_side_task_that_swallows_its_cancellation__the_pool_still_stops(
+        dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Python 3.11's wait_for (inside psycopg_pool's open) swallows a cancellation that races
+    # the result it waited for; the heartbeat task then goes on. Stopping must not hang on it.
+    original = Worker._heartbeat_loop
+
+    async def swallows_one_cancel(self: Worker) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+        await original(self)
+
+    monkeypatch.setattr(Worker, "_heartbeat_loop", swallows_one_cancel)
+
+    async def main() -> None:
+        pool = runpool.Pool(app, dsn=dsn, concurrency=2, poll_seconds=0.2)
+        await pool.start()
+        await asyncio.wait_for(pool.drain(), 10)
 
     asyncio.run(main())
