@@ -96,7 +96,11 @@ async def claim_statements(
         await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
     # Runs whose time has come join the claim's index first (one index probe when none has).
     await conn.execute(QUERIES["promote_due"])
-    names = None if handlers is None else list(handlers)
+    if handlers is None:
+        cur = await conn.execute(QUERIES["ready_handlers"])
+        names = [h for (h,) in await cur.fetchall()]
+    else:
+        names = list(handlers)
     cur = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
     tenants = [t for (t,) in await cur.fetchall()]
     if not tenants:

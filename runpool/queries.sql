@@ -56,17 +56,12 @@ WHERE r.id = ANY(ARRAY(SELECT d.id FROM runpool.runs d
                        LIMIT 1000
                        FOR NO KEY UPDATE SKIP LOCKED));
 
--- name: lock_tenants
--- Lock, in tenant order (so claimers never deadlock), the tenants the claim may take from: of
--- those with runs that can start now (of a handler this pool serves) and that look under
--- quota, the %(limit)s whose best run ranks best (only they can supply the %(limit)s best
--- runs). The count here may be stale; claim_runs recounts under the lock.
+-- name: ready_handlers
+-- The handlers with runs ready to claim, for a claimer that serves every handler (tests,
+-- benchmarks): a loose index scan, one probe per handler. A pool passes its own list instead.
 WITH RECURSIVE every_handler AS (
-    -- Without a handler list (it serves everything): the handlers with ready runs, by a loose
-    -- index scan (one probe each).
     (SELECT r.handler FROM runpool.runs r
      WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-       AND %(handlers)s::text[] IS NULL
      ORDER BY r.handler LIMIT 1)
     UNION ALL
     SELECT n.handler
@@ -75,13 +70,19 @@ WITH RECURSIVE every_handler AS (
         WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
           AND r.handler > h.handler
         ORDER BY r.handler LIMIT 1) n
-),
-served AS (
+)
+SELECT handler FROM every_handler;
+
+-- name: lock_tenants
+-- Lock, in tenant order (so claimers never deadlock), the tenants the claim may take from: of
+-- those with runs that can start now (of a handler this pool serves) and that look under
+-- quota, the %(limit)s whose best run ranks best (only they can supply the %(limit)s best
+-- runs). The count here may be stale; claim_runs recounts under the lock.
+WITH RECURSIVE served AS (
     -- A loose index scan per served handler: one probe per tenant with ready runs of it,
     -- giving its best rank. Runs of handlers this pool does not serve are never read.
     SELECT s.handler, n.tenant, n.rank
-    FROM (SELECT unnest(%(handlers)s::text[]) UNION SELECT handler FROM every_handler)
-         AS s(handler)
+    FROM unnest(%(handlers)s::text[]) AS s(handler)
     CROSS JOIN LATERAL (
         SELECT r.tenant, r.rank FROM runpool.runs r
         WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
@@ -118,22 +119,8 @@ FOR NO KEY UPDATE OF t;
 -- name: claim_runs
 -- Claim up to %(limit)s runs of the tenants locked by lock_tenants, best rank first, within
 -- each tenant's free quota. Takes a lease in database time and increments the fencing token.
-WITH RECURSIVE every_handler AS (
-    -- Without a handler list: the handlers with ready runs (as in lock_tenants).
-    (SELECT r.handler FROM runpool.runs r
-     WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-       AND %(handlers)s::text[] IS NULL
-     ORDER BY r.handler LIMIT 1)
-    UNION ALL
-    SELECT n.handler
-    FROM every_handler h CROSS JOIN LATERAL (
-        SELECT r.handler FROM runpool.runs r
-        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-          AND r.handler > h.handler
-        ORDER BY r.handler LIMIT 1) n
-),
-handlers AS (
-    SELECT unnest(%(handlers)s::text[]) AS handler UNION SELECT handler FROM every_handler
+WITH handlers AS (
+    SELECT DISTINCT unnest(%(handlers)s::text[]) AS handler
 ),
 capacity AS (
     -- Recounted under the tenant locks, in this statement's fresh snapshot: no other claimer

@@ -159,9 +159,10 @@ def test_race_cancel_during_claim__claim_first_then_cancel_says_cancelling(
     answers: list[Any] = []
     with connect(dsn) as claimer:  # one open claim transaction, committed by hand
         tenants = [t for (t,) in claimer.execute(QUERIES["lock_tenants"],
-                                                  {"handlers": None, "limit": 1})]
-        claimer.execute(QUERIES["claim_runs"], {"tenants": tenants, "limit": 1, "handlers": None,
-                                                "worker_id": uuid.uuid4(), "lease_seconds": 30})
+                                                  {"handlers": ["noop"], "limit": 1})]
+        claimer.execute(QUERIES["claim_runs"], {"tenants": tenants, "limit": 1,
+                                                "handlers": ["noop"], "worker_id": uuid.uuid4(),
+                                                "lease_seconds": 30})
         canceller = _cancel_in_thread(dsn, run_id, "race", answers)
         wait_for(lambda: _blocked(conn), what="cancel blocked behind the claim")
         claimer.commit()

@@ -124,8 +124,8 @@ def _claim_plans(conn: psycopg.Connection, depth: int) -> list[dict[str, Any]]:
     conn.execute("SET jit = off")
     plans = []
     claim_params = {"tenants": ["flood", *tenants], "limit": 10, "worker_id": uuid.uuid4(),
-                    "lease_seconds": 30, "handlers": None}
-    lock_params = {"handlers": None, "limit": 10}
+                    "lease_seconds": 30, "handlers": ["noop"]}
+    lock_params = {"handlers": ["noop"], "limit": 10}
     for query, params in ((QUERIES["lock_tenants"], lock_params),
                           (QUERIES["claim_runs"], claim_params)):
         with conn.transaction():  # EXPLAIN ANALYZE really claims: undo it

@@ -237,6 +237,13 @@ def _claim_blocks(conn: psycopg.Connection,
     """Buffers touched by one claim's statements (rolled back), and the tenants it locked."""
     blocks = 0
     with conn.transaction():
+        if handlers is None:
+            # A claimer serving every handler first reads which have ready runs (claiming.py).
+            stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
+                QUERIES["ready_handlers"])
+            plan = scalar(conn, stmt)[0]["Plan"]
+            blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+            handlers = [h for (h,) in conn.execute(QUERIES["ready_handlers"])]
         stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
             QUERIES["lock_tenants"])
         plan = scalar(conn, stmt, {"handlers": handlers, "limit": 10})[0]["Plan"]
