@@ -203,5 +203,7 @@ def test_idle_worker__its_heartbeat_costs_no_transaction(
         time.sleep(4)
         conn.execute("SELECT pg_stat_clear_snapshot()")
         after = scalar(conn, xacts, conn.info.dbname)
-    # This test's own statements (2 or 3) and 1 to spare.
-    assert after - before <= 4, after - before
+    # This test's own statements (2 or 3), and a few of the worker's startup transactions whose
+    # counts an idle backend may still report late (CI once saw 6): far from the ~12 of a sweep
+    # per heartbeat, which this bound still catches.
+    assert after - before <= 7, after - before
