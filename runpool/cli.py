@@ -193,15 +193,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command in POOL_COMMANDS:
         return _run(settings)
     if args.command == "demo":
-        from .demo import run_demo
+        from .harness.demo import run_demo
 
         return run_demo(settings, runs=args.runs)
     if args.command == "bench" and args.soak is not None:
-        from .soak import run_soak
+        from .harness.soak import run_soak
 
         return run_soak(settings, args.soak, seed=args.seed)
     if args.command == "bench":
-        from .bench import run_bench
+        from .harness.bench import run_bench
 
         return run_bench(settings, args.workload, repeat=args.repeat)
     dsn = resolve_dsn(settings, announce=False)

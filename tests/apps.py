@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import runpool
-from runpool.invariants import record_execution
+from runpool.testing import record_execution
 
 app = runpool.App()
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import runpool
-from runpool.invariants import record_execution
+from runpool.testing import record_execution
 from tests.apps import app
 
 __all__ = ["app"]

@@ -5,40 +5,22 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-from runpool import invariants
 from runpool.claiming import claim
 from runpool.db import aconnect
 from runpool.queries import QUERIES
+from runpool.testing import invariants, pools
+from runpool.testing.pools import wait_for as wait_for  # re-exported: the tests import it from here
 
-T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.05,
-             what: str = "condition") -> T:
-    """Poll predicate until it returns something truthy, or fail after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def assert_invariants(conn: psycopg.Connection[Any], **options: Any) -> invariants.Report:
@@ -50,22 +32,12 @@ def assert_invariants(conn: psycopg.Connection[Any], **options: Any) -> invarian
 
 
 def pool_env(dsn: str, **settings: Any) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RUNPOOL_", "OTEL_"))}
-    env.pop("DATABASE_URL", None)
-    env["RUNPOOL_DSN"] = dsn
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    for key, value in settings.items():
-        env[f"RUNPOOL_{key.upper()}"] = str(value)
-    return env
+    """A pool's environment for the tests: none of ours leaks in (OTEL_ included), and
+    `tests.apps` is importable."""
+    return pools.pool_env(dsn, inherit_otel=False, pythonpath=str(ROOT), **settings)
 
 
-class Pool(subprocess.Popen[bytes]):
-    log_path: Path
-
-    def log(self) -> str:
-        """Everything the supervisor and its workers logged so far."""
-        return self.log_path.read_text(errors="replace")
+Pool = pools.PoolProcess
 
 
 @contextmanager
@@ -75,30 +47,9 @@ def running_pool(dsn: str, app: str = "tests.apps:app", env: dict[str, str] | No
     defaults: dict[str, Any] = {"workers": 1, "concurrency": 4, "poll_seconds": 1,
                                 "grace_seconds": 5}
     defaults.update(settings)
-    log = tempfile.NamedTemporaryFile(prefix="runpool-pool-", suffix=".log", delete=False)
-    proc = Pool(
-        [sys.executable, "-m", "runpool", "--app", app],
-        env={**pool_env(dsn, **defaults), **(env or {})}, cwd=ROOT, start_new_session=True,
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    proc.log_path = Path(log.name)
-    try:
+    with pools.running_pool(dsn, app, env=env, cwd=ROOT, inherit_otel=False,
+                            pythonpath=str(ROOT), **defaults) as proc:
         yield proc
-    except BaseException:
-        # Show what the pool said: it is usually the explanation of a failure.
-        sys.stderr.write(proc.log()[-5000:])
-        raise
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        # The workers share the session: make sure none outlives the test.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        log.close()
-        proc.log_path.unlink(missing_ok=True)
 
 
 def run_row(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> dict[str, Any]:

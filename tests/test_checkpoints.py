@@ -347,12 +347,12 @@ def live_pool_backends(conn: psycopg.Connection) -> list[int]:
 
 def test_sample_agent__sigkilled_mid_run_resumes_each_committed_call_run_once(
         conn: psycopg.Connection, dsn: str) -> None:
-    from runpool import sample_agent
+    from runpool.harness import sample_agent
 
     sample_agent.prepare(conn)
     run_id = runpool.enqueue(conn, "acme", "research",
                              {"searches": 4, "think_seconds": 0.05, "tool_seconds": 0.3})
-    with running_pool(dsn, app="runpool.sample_agent:app", workers=2, lease_seconds=1.5):
+    with running_pool(dsn, app="runpool.harness.sample_agent:app", workers=2, lease_seconds=1.5):
         wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s"
                                 " AND status = 'succeeded'", run_id) >= 2, what="two calls")
         pid = scalar(conn, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"

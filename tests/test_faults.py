@@ -15,7 +15,7 @@ import runpool
 from runpool import db
 from runpool.db import aconnect, bounded, connect, open_pool
 from runpool.migrate import migrate
-from runpool.proxy import Proxy
+from runpool.testing import Proxy
 from tests.helpers import (
     assert_invariants,
     events,

@@ -15,9 +15,15 @@ from psycopg.rows import dict_row
 import runpool
 from runpool.cancellation import EARLY_MAX
 from runpool.claiming import ClaimedRun
-from runpool.hostile import DEEP_JSON, POISON_INPUTS, enqueue_raw, notify_flood, unprivileged_login
 from runpool.listener import ClaimBudget
 from runpool.settings import Settings
+from runpool.testing.hostile import (
+    DEEP_JSON,
+    POISON_INPUTS,
+    enqueue_raw,
+    notify_flood,
+    unprivileged_login,
+)
 from runpool.worker import Worker
 from tests.helpers import (
     assert_invariants,

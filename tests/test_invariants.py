@@ -8,8 +8,8 @@ import psycopg
 import pytest
 
 import runpool
-from runpool import faults, invariants
-from runpool.invariants import Watch
+from runpool import faults
+from runpool.testing import Watch, invariants
 from tests.helpers import wait_for
 
 _HISTORY = [

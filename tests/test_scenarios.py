@@ -17,9 +17,7 @@ import psycopg
 import pytest
 
 import runpool
-from runpool.invariants import Watch
-from runpool.pool_process import worker_pids
-from runpool.proxy import Proxy
+from runpool.testing import Proxy, Watch, worker_pids
 from tests.helpers import assert_invariants, events, run_row, running_pool, scalar, wait_for
 
 

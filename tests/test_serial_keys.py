@@ -16,9 +16,9 @@ import pytest
 import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect
-from runpool.invariants import Watch
+from runpool.harness.workloads import ORDER_VIOLATIONS
 from runpool.queries import QUERIES
-from runpool.workloads import ORDER_VIOLATIONS
+from runpool.testing import Watch
 from tests.helpers import (
     assert_invariants,
     events,

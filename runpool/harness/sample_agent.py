@@ -13,9 +13,9 @@ from typing import Any, Final
 
 import psycopg
 
-from .app import App
-from .context import Run
-from .errors import ToolOutcomeUnknown
+from ..app import App
+from ..context import Run
+from ..errors import ToolOutcomeUnknown
 
 __all__ = ["EFFECTS", "ScriptedModel", "app", "prepare"]
 

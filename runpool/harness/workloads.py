@@ -6,26 +6,34 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Final
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from .bench import (
+from ..db import connect
+from ..enqueue import RunSpec, enqueue, enqueue_many
+from ..testing.databases import scratch_database
+from ..testing.pools import PoolProcess, running_pool
+from .measure import (
     CLEAR_SNAPSHOT,
     COUNT_DONE,
     DRAIN_RATE,
     LIVE_WORKERS,
     XACTS,
     percentile,
-    scratch_database,
     wait_until,
 )
-from .db import connect
-from .enqueue import RunSpec, enqueue, enqueue_many
-from .pool_process import pool_process
 
 __all__ = ["WORKLOADS"]
+
+BENCH_APP: Final = "runpool.harness.benchapp:app"
+
+
+def _pool(dsn: str, **settings: Any) -> AbstractContextManager[PoolProcess]:
+    """A pool serving the bench handlers, drained at the end."""
+    return running_pool(dsn, BENCH_APP, stop="drain", output="discard", **settings)
 
 
 def _drain(conn: psycopg.Connection[Any], dsn: str, specs: list[RunSpec]) -> tuple[float, float]:
@@ -37,7 +45,7 @@ def _drain(conn: psycopg.Connection[Any], dsn: str, specs: list[RunSpec]) -> tup
     conn.commit()
     enqueue_rate = len(specs) / (time.perf_counter() - started)
     conn.autocommit = True
-    with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
+    with _pool(dsn, workers=2, concurrency=10):
         wait_until(conn, COUNT_DONE, len(specs), timeout=900)
     row = conn.execute(DRAIN_RATE).fetchone()
     assert row is not None
@@ -86,7 +94,7 @@ def w10_serial_keys(server: str, *, keys: int = 1000, per_key: int = 20) -> dict
 def w2_latency(server: str, *, runs: int = 300, gap: float = 0.02) -> dict[str, Any]:
     """W2: idle pool; runs enqueued one at a time; enqueue commit -> handler start."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10):
+        with _pool(dsn, workers=2, concurrency=10):
             wait_until(conn, LIVE_WORKERS, 2, timeout=60)
             warm = enqueue(conn, "bench", "stamp")
             wait_until(conn, COUNT_DONE, 1, timeout=60)
@@ -114,7 +122,7 @@ def w3_idle(server: str, *, seconds: float = 60.0) -> dict[str, Any]:
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn, \
             connect(server, autocommit=True) as stats:
         name = conninfo_to_dict(dsn)["dbname"]
-        with pool_process(dsn, "runpool.bench:app", workers=2):
+        with _pool(dsn, workers=2):
             wait_until(conn, LIVE_WORKERS, 2, timeout=60)
             conn.close()
             time.sleep(12)  # past startup, and past the stats collector's idle flush delay
@@ -133,7 +141,7 @@ def w3_idle(server: str, *, seconds: float = 60.0) -> dict[str, Any]:
 def _w5_waits(server: str, burst: list[RunSpec], watch: set[str]) -> dict[str, float]:
     """p95 wait (enqueue -> start) per watched tenant, for one burst on a fresh pool."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=10, tenant_quota=5):
+        with _pool(dsn, workers=2, concurrency=10, tenant_quota=5):
             wait_until(conn, LIVE_WORKERS, 2, timeout=60)
             enqueue_many(conn, burst)
             wait_until(conn, COUNT_DONE, len(burst), timeout=600)
@@ -175,9 +183,9 @@ UNION ALL SELECT 'flood', 10
 
 
 async def _claim_latencies(dsn: str, claims: int) -> list[float]:
-    from .claiming import claim
-    from .db import aconnect
-    from .queries import QUERIES
+    from ..claiming import claim
+    from ..db import aconnect
+    from ..queries import QUERIES
 
     worker = uuid.uuid4()
     times = []
@@ -254,7 +262,7 @@ def w7_checkpoint_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
     """W7: one run making `calls` no-op tool calls; checkpoint overhead per call."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
         run_id = enqueue(conn, "bench", "tool_loop", {"calls": calls})
-        with pool_process(dsn, "runpool.bench:app", workers=1, concurrency=1):
+        with _pool(dsn, workers=1, concurrency=1):
             wait_until(conn, COUNT_DONE, 1, timeout=600)
         row = conn.execute("SELECT result FROM runpool.runs WHERE id = %s", (run_id,)).fetchone()
     assert row is not None
@@ -279,7 +287,7 @@ def w8_resume_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
         small = enqueue(conn, "bench", "tool_loop", {"calls": 10})
         big = enqueue(conn, "bench", "tool_loop", {"calls": calls, "crash": True})
-        with pool_process(dsn, "runpool.bench:app", workers=1, concurrency=2,
+        with _pool(dsn, workers=1, concurrency=2,
                           lease_seconds=2):
             wait_until(conn, COUNT_DONE, 2, timeout=600)
         row = conn.execute(
@@ -305,7 +313,7 @@ def _cancel_latencies(server: str, *, rounds: int, per_round: int, **settings: A
                       ) -> list[float]:
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
         latencies: list[float] = []
-        with pool_process(dsn, "runpool.bench:app", workers=2, concurrency=per_round // 2,
+        with _pool(dsn, workers=2, concurrency=per_round // 2,
                           **settings):
             wait_until(conn, LIVE_WORKERS, 2, timeout=60)
             for r in range(rounds):

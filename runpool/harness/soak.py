@@ -31,18 +31,18 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from .app import App
-from .bench import scratch_database
-from .context import Run
-from .db import connect
-from .embedded import resolve_dsn
-from .enqueue import RunSpec, enqueue, enqueue_many
-from .errors import InvalidInput, ToolOutcomeUnknown
-from .hostile import POISON_INPUTS, enqueue_raw, notify_flood, unprivileged_login
-from .invariants import EXECUTIONS_DDL, Watch, check, record_execution
-from .pool_process import pool_process, worker_pids
-from .proxy import Proxy
-from .settings import Settings
+from ..app import App
+from ..context import Run
+from ..db import connect
+from ..embedded import resolve_dsn
+from ..enqueue import RunSpec, enqueue, enqueue_many
+from ..errors import InvalidInput, ToolOutcomeUnknown
+from ..settings import Settings
+from ..testing.databases import scratch_database
+from ..testing.hostile import POISON_INPUTS, enqueue_raw, notify_flood, unprivileged_login
+from ..testing.invariants import EXECUTIONS_DDL, Watch, check, record_execution
+from ..testing.pools import running_pool, worker_pids
+from ..testing.proxy import Proxy
 
 __all__ = ["app", "other_app", "run_soak"]
 
@@ -422,11 +422,13 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
         os.environ[EXECUTIONS_DSN] = dsn
         started = time.monotonic()
         try:
-            with unprivileged_login(pool_dsn) as hostile, Watch(dsn) as watch, pool_process(
-                    proxy.dsn(pool_dsn), "runpool.soak:app", workers=2, concurrency=8,
+            with unprivileged_login(pool_dsn) as hostile, Watch(dsn) as watch, running_pool(
+                    proxy.dsn(pool_dsn), "runpool.harness.soak:app", stop="drain", output="discard",
+                    workers=2, concurrency=8,
                     lease_seconds=LEASE, poll_seconds=POLL, cancel_grace_seconds=CANCEL_GRACE,
-                    grace_seconds=5) as pool, pool_process(
-                    proxy.dsn(pool_dsn), "runpool.soak:other_app", workers=1, concurrency=4,
+                    grace_seconds=5) as pool, running_pool(
+                    proxy.dsn(pool_dsn), "runpool.harness.soak:other_app", stop="drain",
+                    output="discard", workers=1, concurrency=4,
                     lease_seconds=LEASE, poll_seconds=POLL, grace_seconds=5):
                 # Named as the driver's, so the faults spare its connections too.
                 hostile_dsn = make_conninfo(hostile, application_name=DRIVER)

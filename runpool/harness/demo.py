@@ -13,17 +13,17 @@ from typing import Any, Final
 
 import psycopg
 
+from ..app import App
+from ..context import Run
+from ..db import connect
+from ..embedded import resolve_dsn
+from ..enqueue import RunSpec, enqueue_many
+from ..errors import Fail
+from ..migrate import migrate
+from ..settings import Settings
+from ..status import STATUSES
+from ..testing.pools import running_pool
 from . import sample_agent
-from .app import App
-from .context import Run
-from .db import connect
-from .embedded import resolve_dsn
-from .enqueue import RunSpec, enqueue_many
-from .errors import Fail
-from .migrate import migrate
-from .pool_process import pool_process
-from .settings import Settings
-from .status import STATUSES
 
 __all__ = ["app", "run_demo"]
 
@@ -98,8 +98,9 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
         killed: tuple[uuid.UUID, int] | None = None
         cancelled: uuid.UUID | None = None
         unserved: list[uuid.UUID] = []
-        with pool_process(dsn, "runpool.demo:app", workers=2, concurrency=4,
-                          retry_backoff_seconds=0.3, poll_seconds=1, lease_seconds=3):
+        with running_pool(dsn, "runpool.harness.demo:app", stop="drain", output="discard",
+                          workers=2, concurrency=4, retry_backoff_seconds=0.3, poll_seconds=1,
+                          lease_seconds=3):
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
                 tenants = _progress(conn, ids)

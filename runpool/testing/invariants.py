@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import psycopg
 
-from .db import connect
+from ..db import connect
 
 __all__ = ["EXECUTIONS_DDL", "Report", "Watch", "check", "record_execution"]
 

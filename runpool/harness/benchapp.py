@@ -1,0 +1,67 @@
+"""The handlers the benchmark workloads run (`runpool.harness.benchapp:app`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from ..app import App
+from ..context import Run
+
+__all__ = ["app"]
+
+app = App()
+
+
+@app.handler("noop")
+async def noop(run: Run) -> Any:
+    return None
+
+
+@app.handler("stamp")
+async def stamp(run: Run) -> Any:
+    """Returns when the handler started, for wake-up latency."""
+    return time.time()
+
+
+@app.handler("sleep")
+async def sleep(run: Run) -> Any:
+    await asyncio.sleep(float(run.input["seconds"]))
+    return None
+
+
+async def _noop_tool(arguments: Any, key: str) -> Any:
+    return {"ok": arguments["i"]}
+
+
+@app.handler("tool_loop")
+async def tool_loop(run: Run) -> Any:
+    """W7/W8: `calls` no-op tool calls. Returns each call's overhead (ms); with `crash`, the
+    first attempt dies after its calls, and the second reports how long resume took."""
+    calls = int(run.input["calls"])
+    began = time.time()
+    overheads = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        await run.tool(f"c{i}", "noop", {"i": i}, _noop_tool)
+        overheads.append((time.perf_counter() - t0) * 1000)
+    if run.input.get("crash") and run.attempt == 1:
+        os._exit(1)
+    if run.attempt > 1:
+        # Every call above was a checkpoint hit; this is the first new one.
+        await run.tool("new", "noop", {"i": -1}, _noop_tool)
+        return {"handler_started": began, "first_new_call": time.time()}
+    return {"overheads_ms": overheads}
+
+
+@app.handler("await_cancel")
+async def await_cancel(run: Run) -> Any:
+    """W9: waits to be cancelled and records when it saw the cancellation."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        await run.add_message("system", {"seen": time.time()})
+        raise
+    return None

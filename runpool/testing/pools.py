@@ -1,0 +1,123 @@
+"""Real pools for tests and benchmarks: `python -m runpool` started as a child process.
+
+One implementation serves runpool's own tests, its benchmarks and demo, and users' tests:
+the pool is the real supervisor with real forked workers, so what a test kills is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+__all__ = ["PoolProcess", "pool_env", "running_pool", "wait_for", "worker_pids"]
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.05,
+             what: str = "condition") -> T:
+    """Poll `predicate` until it returns something truthy (and return that), or raise
+    AssertionError after `timeout` seconds: the bounded wait tests use instead of sleeps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    """The supervisor's live children: its worker processes (Linux /proc)."""
+    children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children")
+    return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+
+def pool_env(dsn: str, *, inherit_otel: bool = True, pythonpath: str | None = None,
+             **settings: Any) -> dict[str, str]:
+    """The environment of a pool process: this one's, minus any RUNPOOL_ setting (and the
+    OTEL_ ones unless `inherit_otel`), plus `RUNPOOL_<NAME>` for each keyword setting."""
+    drop = ("RUNPOOL_",) if inherit_otel else ("RUNPOOL_", "OTEL_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.pop("DATABASE_URL", None)
+    env["RUNPOOL_DSN"] = dsn
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    env.update({f"RUNPOOL_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
+    return env
+
+
+class PoolProcess(subprocess.Popen[bytes]):
+    """The supervisor's process; `log()` is what the pool printed when output is captured."""
+
+    log_path: Path | None = None
+
+    def log(self) -> str:
+        """Everything the supervisor and its workers logged so far ('' unless captured)."""
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def workers(self) -> list[int]:
+        return worker_pids(self.pid)
+
+
+@contextmanager
+def running_pool(dsn: str, app: str, *, env: Mapping[str, str] | None = None,
+                 cwd: str | Path | None = None, stop: Literal["kill", "drain"] = "kill",
+                 output: Literal["capture", "inherit", "discard"] = "capture",
+                 inherit_otel: bool = True, pythonpath: str | None = None,
+                 **settings: Any) -> Iterator[PoolProcess]:
+    """A real `python -m runpool` supervisor with its workers, serving `app` ("module:attr").
+
+    Keyword settings become RUNPOOL_ variables (`concurrency=4`); `env` is laid over what
+    `pool_env` makes of this process's environment. On exit the pool is
+    SIGKILLed with its workers (`stop="kill"`: a test must not wait for a drain it did not
+    ask for) or drained with SIGTERM (`stop="drain"`, killed if it hangs a minute). With
+    `output="capture"` its log is kept for `log()` and printed if the block raised.
+    """
+    log = (tempfile.NamedTemporaryFile(prefix="runpool-pool-", suffix=".log", delete=False)
+           if output == "capture" else None)
+    sink: Any = log if log is not None else (None if output == "inherit" else subprocess.DEVNULL)
+    full_env = {**pool_env(dsn, inherit_otel=inherit_otel, pythonpath=pythonpath, **settings),
+                **(env or {})}
+    full_env["RUNPOOL_APP"] = app
+    proc = PoolProcess([sys.executable, "-m", "runpool", "worker"], env=full_env, cwd=cwd,
+                       start_new_session=True, stdout=sink,
+                       stderr=subprocess.STDOUT if log is not None else sink)
+    proc.log_path = Path(log.name) if log is not None else None
+    try:
+        yield proc
+    except BaseException:
+        # What the pool said is usually the explanation of a failure.
+        sys.stderr.write(proc.log()[-5000:])
+        raise
+    finally:
+        _stop(proc, stop)
+        if log is not None:
+            log.close()
+            Path(log.name).unlink(missing_ok=True)
+
+
+def _stop(proc: PoolProcess, how: str) -> None:
+    if proc.poll() is None and how == "drain":
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    # The workers share the session: make sure none outlives the pool.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
