@@ -1,5 +1,6 @@
-"""Worker-side cancellation: a cancel notice (NOTIFY or heartbeat flag) becomes task
-cancellation, a grace period, and a recorded `cancelled` outcome."""
+"""Worker-side cancel notices: a NOTIFY (which proves nothing: any login can send one) is
+confirmed against the run's cancel flag in the database before the run's slot is told; a
+notice that overtakes the claim of its run waits for it a moment."""
 
 from __future__ import annotations
 
@@ -8,17 +9,15 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import psycopg
+from psycopg_pool import AsyncConnectionPool
 
 from .db import bounded
 from .queries import QUERIES
 from .slot import Slot
-
-if TYPE_CHECKING:
-    from .worker import Worker
+from .tasks import Background
 
 __all__ = ["Canceller"]
 
@@ -33,18 +32,25 @@ CONFIRM_SPACING = 0.1
 
 
 class Canceller:
-    """Owned by one Worker, on its event loop; reads and updates the worker's slots."""
+    """Owned by one worker, on its event loop. It sees the worker only through what it is
+    handed: `lookup(run_id)`, the run's slot if it is in one; `pool()`, the worker's
+    connections once open (None before); `on_cancel(slot)`, called once the database confirms
+    the cancel of the slot's run."""
 
-    def __init__(self, worker: Worker) -> None:
-        self._worker = worker
+    def __init__(self, *, lookup: Callable[[uuid.UUID], Slot | None],
+                 pool: Callable[[], AsyncConnectionPool | None],
+                 on_cancel: Callable[[Slot], None]) -> None:
+        self._lookup = lookup
+        self._pool = pool
+        self._on_cancel = on_cancel
         # Cancel notices for runs not (yet) in a slot, by arrival time, oldest first.
         self._early: OrderedDict[uuid.UUID, float] = OrderedDict()
         # Runs whose cancel flag is being read; True: a notice came meanwhile, read once more.
         self._confirming: dict[uuid.UUID, bool] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background()
 
     def on_notice(self, run_id: uuid.UUID) -> None:
-        if run_id in self._worker.slots:
+        if self._lookup(run_id) is not None:
             self._confirm_soon(run_id)
             return
         # The notice can overtake our own claim of the run (it is sent when the canceller
@@ -68,7 +74,7 @@ class Canceller:
             self._confirming[run_id] = True
             return
         self._confirming[run_id] = False
-        self.background(self._confirm_coalesced(run_id))
+        self._background.spawn(self._confirm_coalesced(run_id))
 
     async def _confirm_coalesced(self, run_id: uuid.UUID) -> None:
         try:
@@ -81,19 +87,14 @@ class Canceller:
         finally:
             self._confirming.pop(run_id, None)
 
-    def background(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)  # a task nobody references may be collected mid-flight
-        task.add_done_callback(self._tasks.discard)
-
     async def confirm(self, run_id: uuid.UUID) -> None:
-        w = self._worker
-        slot = w.slots.get(run_id)
-        if slot is None or w._pool is None or slot.stop_reason is not None:
+        slot = self._lookup(run_id)
+        pool = self._pool()
+        if slot is None or pool is None or slot.stop_reason is not None:
             return
         # A NOTIFY proves nothing: the flag in the database decides.
         try:
-            async with bounded(w._pool, 5) as conn:
+            async with bounded(pool, 5) as conn:
                 cur = await conn.execute(QUERIES["read_cancel_flags"], {
                     "ids": [slot.claimed.id], "attempts": [slot.claimed.attempt]})
                 flagged = await cur.fetchall()
@@ -101,35 +102,5 @@ class Canceller:
             logger.warning("could not read the cancel flag (the heartbeat will): %s", exc,
                            extra={"action": "cancel_check_failed", **slot.extra})
             return
-        if flagged and w.slots.get(run_id) is slot:
-            self.cancel(slot)
-
-    def cancel(self, slot: Slot) -> None:
-        if slot.stop_reason is not None or slot.finishing:
-            return
-        slot.stop_reason = "cancelled"
-        slot.run._mark_cancelled()
-        logger.info("cancelling run %s", slot.claimed.id,
-                    extra={"action": "run_cancelling", **slot.extra})
-        assert slot.task is not None
-        slot.task.cancel()
-        asyncio.get_running_loop().call_later(
-            self._worker.settings.cancel_grace_seconds,
-            lambda: self.background(self.force(slot)))
-
-    async def force(self, slot: Slot) -> None:
-        """The handler ignored cancellation past its grace: record it cancelled and free the
-        slot; whatever the handler does later is fenced. A thread cannot be stopped, though:
-        while one of the run's threads runs, the worker exits instead (see Worker._stuck)."""
-        w = self._worker
-        if w.slots.get(slot.claimed.id) is not slot or slot.finishing:
-            return
-        if slot.run._threads.running:
-            w.stuck_check(slot, "ignored its cancellation past the cancel grace")
-            return
-        slot.finishing = True
-        assert w._outcomes is not None
-        await w._outcomes.submit(w._cancelled_outcome(slot),
-                                 serial=slot.claimed.serial_key is not None)
-        del w.slots[slot.claimed.id]
-        w._attention.set()
+        if flagged and self._lookup(run_id) is slot:
+            self._on_cancel(slot)

@@ -22,9 +22,9 @@ from . import __version__, faults
 from .db import connect, translate_error
 from .embedded import resolve_dsn
 from .errors import AppNotFound, InvalidInput, RunpoolError
+from .exits import EXIT_CONFIG
 from .logs import setup_logging
 from .settings import Settings
-from .supervisor import EXIT_CONFIG
 
 __all__ = ["main"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,9 +21,9 @@ import checkpoints
 from checkpoints import CallMismatch, Message, ToolCall
 
 from . import faults, telemetry
+from .control import RunControl
 from .db import dumps, jsonb, loads, retrying, transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
-from .threads import RunThreads
 
 __all__ = ["Run", "ToolFn"]
 
@@ -77,8 +76,9 @@ async def _finish(coro: Awaitable[T]) -> T:
 class Run:
     """One attempt of a run, as its handler sees it.
 
-    The worker owns this object: it sets the cancellation and lease-loss flags (from a NOTIFY,
-    a heartbeat or its lease clock); the handler reads them and calls the methods below.
+    The worker owns this attempt: it sets the cancellation and lease-loss flags (from a NOTIFY,
+    a heartbeat or its lease clock) on the attempt's RunControl, which this Run reads; the
+    handler reads them too and calls the methods below.
     """
 
     def __init__(
@@ -94,6 +94,7 @@ class Run:
         write_timeout: float = 30.0,
         messages: Sequence[Message] = (),
         tool_calls: dict[str, ToolCall] | None = None,
+        control: RunControl | None = None,
     ) -> None:
         self.id = id
         self.tenant = tenant
@@ -108,40 +109,20 @@ class Run:
         # Calls being executed in this attempt: (name, arguments as committed, the outcome
         # other callers share).
         self._inflight: dict[str, tuple[str, Any, asyncio.Future[Any]]] = {}
-        self._cancelled = asyncio.Event()
-        self._lost = False
-        # Monotonic time after which the lease may have run out (set by the worker's lease
-        # clock, see Slot.renew): a tool never starts past it.
-        self._lease_until = math.inf
         # Writes of one run are serialised: the message sequence is max + 1 under the fence.
         self._write_lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
-        # Threads of this run (a plain handler, plain tools) that have not returned yet. A
-        # thread cannot be stopped: the worker keeps the run's slot and lease until none runs.
-        self._threads = RunThreads(self._loop, f"runpool-run-{id}")
-        # Why the *_sync methods refuse all work (the worker is draining past its grace, or
-        # gave up on the run), or None.
-        self._closed: str | None = None
+        # The worker's flags for this attempt (cancelled, lease lost, closed, lease clock) and
+        # its threads; a Run made by hand (a test, a script) gets its own, never set.
+        self._control = (control if control is not None
+                         else RunControl(self._loop, f"runpool-run-{id}"))
 
     # -- state set by the worker -----------------------------------------------------------
 
     @property
     def cancelled(self) -> bool:
         """True once a cancellation of this run reached the worker."""
-        return self._cancelled.is_set()
-
-    def _mark_cancelled(self) -> None:
-        self._cancelled.set()
-
-    def _mark_lost(self) -> None:
-        self._lost = True
-
-    def _close(self, why: str) -> None:
-        self._closed = why
-
-    def _restore(self, messages: Sequence[Message], calls: dict[str, ToolCall]) -> None:
-        self._messages = list(messages)
-        self._calls = dict(calls)
+        return self._control.cancelled
 
     # -- the conversation ------------------------------------------------------------------
 
@@ -163,7 +144,7 @@ class Run:
         return data
 
     def _writable(self) -> AsyncConnectionPool:
-        if self._lost:
+        if self._control.lost:
             raise LeaseLost(f"attempt {self.attempt} of run {self.id} lost its lease")
         if self._pool is None:
             raise UsageError("this Run is not attached to a database")
@@ -177,7 +158,7 @@ class Run:
             return await retrying(pool, self._write_timeout, op, what=what,
                                   log={"run_id": str(self.id)})
         except LeaseLost:
-            self._lost = True
+            self._control.lose()
             raise
 
     async def add_message(self, role: str, content: Any) -> Message:
@@ -298,8 +279,8 @@ class Run:
         # the network slow): by then a new attempt may be running this very call, so a tool
         # never starts once the lease may have run out on the local clock (the intent stays
         # 'started': the next attempt runs the tool, or reports ToolOutcomeUnknown).
-        if time.monotonic() > self._lease_until:
-            self._lost = True
+        if time.monotonic() > self._control.lease_until:
+            self._control.lose()
         self._writable()
         status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
         faults.hit("tool.returned")
@@ -331,7 +312,7 @@ class Run:
                     # The tool has run: its result is worth waiting for (an outage longer
                     # than write_timeout) for as long as this attempt may hold its lease. A
                     # reclaim fences the write (LeaseLost); the worker's lease clock ends it.
-                    if self._lost or not transient(exc):
+                    if self._control.lost or not transient(exc):
                         raise
         # What the handler gets is the committed JSON value, the same as after a resume.
         value = loads(data)
@@ -343,7 +324,7 @@ class Run:
         try:
             if inspect.iscoroutinefunction(fn):
                 return "succeeded", await fn(arguments, key)
-            value = await self._threads.call(fn, arguments, key)
+            value = await self._control.threads.call(fn, arguments, key)
             if inspect.isawaitable(value):
                 value = await value
             return "succeeded", value
@@ -378,10 +359,11 @@ class Run:
         else:  # blocking the loop on itself would hang the whole worker
             raise UsageError("the *_sync methods are for plain `def` handlers; an async"
                                " handler awaits add_message() and tool()")
-        if self._closed is not None:
+        closed = self._control.closed
+        if closed is not None:
             # The worker is stopping this run (drain past its grace) or exiting: nothing more
             # of it may be written, and the loop may not answer any more.
-            raise asyncio.CancelledError(f"run {self.id}: {self._closed}")
+            raise asyncio.CancelledError(f"run {self.id}: {closed}")
         coro = make()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 

@@ -1,38 +1,174 @@
-"""A run in progress in a worker slot: the claim, the handler's Run, and its task."""
+"""A run in progress in a worker slot — its claim, its RunControl and its task — with the only
+transitions of its state, and the worker's table of slots, which a slot leaves in one place."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+import enum
+import uuid
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 from .claiming import ClaimedRun
-from .context import Run
+from .control import RunControl
 
-__all__ = ["Slot"]
+__all__ = ["Slot", "Slots", "StopReason"]
 
 
-@dataclass(slots=True)
+class StopReason(enum.Enum):
+    """Why the worker stopped a run's task before the handler returned by itself."""
+
+    # A cancel was requested (a NOTIFY confirmed, or the heartbeat's flag): the run ends
+    # 'cancelled'.
+    CANCELLED = "cancelled"
+    # The lease is, or may be, lost: another attempt may own the run, nothing more is written.
+    LEASE_LOST = "lease_lost"
+    # The worker drained past its grace: the run is released back to the queue.
+    SHUTDOWN = "shutdown"
+
+
 class Slot:
-    """A run in progress. Written by the worker loop, heartbeat and cancel paths, all on the
-    worker's one event loop, so no locking is needed."""
+    """A run in progress, and the only writer of its state. Callers use the transitions:
 
-    claimed: ClaimedRun
-    run: Run
-    # Monotonic time after which the lease may have expired in the database.
-    deadline: float
-    task: asyncio.Task[None] | None = None
-    # Why the worker cancelled the task: lease_lost, cancelled or shutdown.
-    stop_reason: str | None = None
-    # The outcome is being written; the heartbeat must not mistake it for a lost lease.
-    finishing: bool = False
-    # The worker gave up waiting for the run's threads: it exits, and they end with it.
-    abandoned: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
+    - `start(coro)`: the run's task runs `coro` (once);
+    - `request_cancel()`: no stop yet and not finishing → CANCELLED;
+    - `abandon(cancel_task=)`: the lease is lost → LEASE_LOST (from any other stop, once);
+    - `shut_down()`: no stop yet and not finishing → SHUTDOWN (a drain past its grace);
+    - `finish()`: the outcome is being written (the heartbeat must not take that for a lost
+      lease, and no later stop applies);
+    - `give_up()`: a thread of the run cannot be stopped: the worker exits and it dies with it.
 
-    def __post_init__(self) -> None:
-        self.renew(self.deadline)
+    Each returns whether it changed anything where a caller needs to know. All callers run on
+    the worker's one event loop, so no locking is needed.
+    """
+
+    __slots__ = ("_deadline", "_finishing", "_given_up", "_stop", "_task", "claimed",
+                 "control", "extra")
+
+    def __init__(self, claimed: ClaimedRun, control: RunControl, *, deadline: float,
+                 extra: dict[str, str]) -> None:
+        self.claimed = claimed
+        self.control = control
+        # Log fields of this run (run, tenant, worker).
+        self.extra = extra
+        self._task: asyncio.Task[None] | None = None
+        self._stop: StopReason | None = None
+        self._finishing = False
+        self._given_up = False
+        self._deadline = deadline
+        self.renew(deadline)
+
+    # -- state (read-only outside) -----------------------------------------------------------
+
+    @property
+    def task(self) -> asyncio.Task[None]:
+        assert self._task is not None, "a slot's task exists once it is started"
+        return self._task
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic time after which the lease may have expired in the database."""
+        return self._deadline
+
+    @property
+    def stop_reason(self) -> StopReason | None:
+        return self._stop
+
+    @property
+    def finishing(self) -> bool:
+        return self._finishing
+
+    @property
+    def given_up(self) -> bool:
+        """The worker gave up waiting for the run's threads: it exits, and they end with it."""
+        return self._given_up
+
+    @property
+    def threads_running(self) -> bool:
+        return self.control.threads.running
+
+    # -- transitions -------------------------------------------------------------------------
+
+    def start(self, coro: Coroutine[Any, Any, None]) -> None:
+        if self._task is not None:
+            coro.close()
+            raise RuntimeError(f"the slot of run {self.claimed.id} was started already")
+        self._task = asyncio.get_running_loop().create_task(coro, name=f"run-{self.claimed.id}")
 
     def renew(self, deadline: float) -> None:
         """The lease may now run out at `deadline` (monotonic): the run's tools see it too."""
-        self.deadline = deadline
-        self.run._lease_until = deadline
+        self._deadline = deadline
+        self.control.renew(deadline)
+
+    def request_cancel(self) -> bool:
+        """Cancel the run's task; False if it is already stopping or its outcome is written."""
+        if self._stop is not None or self._finishing:
+            return False
+        self._stop = StopReason.CANCELLED
+        self.control.cancel()
+        self.task.cancel()
+        return True
+
+    def abandon(self, *, cancel_task: bool = True) -> bool:
+        """The lease is (or may be) lost: every later write of the attempt is fenced, and its
+        task is cancelled unless `cancel_task` is False (it is ending by itself). False if the
+        lease was already given up."""
+        if self._stop is StopReason.LEASE_LOST:
+            return False
+        self._stop = StopReason.LEASE_LOST
+        self.control.lose()
+        if cancel_task:
+            self.task.cancel()
+        return True
+
+    def shut_down(self) -> bool:
+        """The worker drains past its grace: the run is to be released. A plain handler gets
+        no CancelledError: its next *_sync call refuses. False if it was stopping already."""
+        if self._stop is not None or self._finishing:
+            return False
+        self._stop = StopReason.SHUTDOWN
+        self.control.close("the worker is shutting down")
+        self.task.cancel()
+        return True
+
+    def finish(self) -> None:
+        self._finishing = True
+
+    def give_up(self) -> None:
+        self.control.close("its worker is exiting")
+        self._given_up = True
+
+
+class Slots:
+    """The worker's slots by run id. A slot enters with `add` and leaves only through
+    `vacate`, which removes that very slot (a later attempt of the same run, claimed again
+    by this worker after a lost lease, has a slot of its own)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[uuid.UUID, Slot] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Slot]:
+        """A snapshot: the table may change while the caller goes through it."""
+        return iter(list(self._by_id.values()))
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self._by_id
+
+    def get(self, run_id: uuid.UUID) -> Slot | None:
+        return self._by_id.get(run_id)
+
+    def holds(self, slot: Slot) -> bool:
+        return self._by_id.get(slot.claimed.id) is slot
+
+    def add(self, slot: Slot) -> None:
+        self._by_id[slot.claimed.id] = slot
+
+    def vacate(self, slot: Slot) -> bool:
+        """Free `slot`'s place; False if it had left already."""
+        if not self.holds(slot):
+            return False
+        del self._by_id[slot.claimed.id]
+        return True

@@ -20,24 +20,20 @@ import time
 from dataclasses import dataclass
 from types import FrameType
 
+from . import telemetry
 from .app import App, load_app
-from .errors import SchemaOutOfDate
+from .errors import SchemaOutOfDate, WorkerFailed
+from .exits import EXIT_CONFIG, EXIT_ORPHANED, EXIT_STUCK
+from .pool import Pool
 from .settings import Settings
 
-__all__ = ["EXIT_CONFIG", "EXIT_STUCK", "Supervisor", "load_app", "run_worker_process"]
+__all__ = ["Supervisor", "load_app", "run_worker_process"]
 
 logger = logging.getLogger("runpool.supervisor")
 
-# A worker exiting with this code cannot work on this database as configured (schema out of
-# date, app not importable): restarting it would only spin, so the supervisor stops.
-EXIT_CONFIG = 78
-# A worker exits with this code to end a run's thread that outlived its grace (a thread cannot
-# be stopped): the supervisor restarts it like any other exit.
-EXIT_STUCK = 75
 # An orphaned worker (its supervisor died) that has not finished stopping after this many
-# seconds exits at once, with this code.
+# seconds exits at once, with EXIT_ORPHANED.
 ORPHAN_EXIT_SECONDS = 8.0
-EXIT_ORPHANED = 70
 
 
 def _exit_orphan() -> None:
@@ -60,10 +56,6 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
     """A worker process is a runpool.Pool behind this process's signals: the first SIGTERM
     drains, the second (or SIGUSR1, the supervisor's relay) releases in-flight runs at once.
     Returns the process's exit code."""
-    from . import telemetry
-    from .errors import WorkerFailed
-    from .pool import Pool
-
     loop = asyncio.get_running_loop()
     pool = Pool(app, dsn=dsn, settings=settings)
     terms = 0

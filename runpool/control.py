@@ -1,0 +1,64 @@
+"""The worker's hold on one attempt, shared with the attempt's Run.
+
+Internal (not exported from `runpool`): the worker's slot (runpool.slot) is the only writer of
+the flags below except `lose`, which the Run also calls when a write of its own finds the
+lease taken; the Run reads them to fence what the handler does:
+
+- `cancel()`: the run is being cancelled (`Run.cancelled`; no new tool call starts);
+- `lose()`: the lease is (or may be) lost: every later write of this attempt raises LeaseLost;
+- `close(why)`: the *_sync methods refuse all work (drain past its grace, a worker exiting);
+- `renew(until)`: the lease may run out at `until` (monotonic): no tool starts past it;
+- `threads`: the attempt's threads, which the worker waits for before it frees the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from .threads import RunThreads
+
+__all__ = ["RunControl"]
+
+
+class RunControl:
+    """On its worker's event loop; the threads of the run only read `closed`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        # Threads of this run (a plain handler, plain tools) that have not returned yet. A
+        # thread cannot be stopped: the worker keeps the run's slot and lease until none runs.
+        self.threads = RunThreads(loop, name)
+        self._cancelled = False
+        self._lost = False
+        self._closed: str | None = None
+        # Monotonic time after which the lease may have run out (the worker's lease clock).
+        self._lease_until = math.inf
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    @property
+    def closed(self) -> str | None:
+        """Why the *_sync methods refuse all work, or None."""
+        return self._closed
+
+    @property
+    def lease_until(self) -> float:
+        return self._lease_until
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def lose(self) -> None:
+        self._lost = True
+
+    def close(self, why: str) -> None:
+        self._closed = why
+
+    def renew(self, until: float) -> None:
+        self._lease_until = until

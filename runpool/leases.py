@@ -1,0 +1,138 @@
+"""Keeping the leases of a worker's runs: one heartbeat statement renews them all (and brings
+back their cancel flags), and a watchdog on the local clock stops a run whose lease may have
+run out while the heartbeat could not get through."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from .db import bounded, open_pool
+from .queries import QUERIES
+from .settings import Settings
+from .slot import Slot, Slots, StopReason
+
+__all__ = ["Cadence", "LeaseKeeper"]
+
+# The worker's logger: heartbeats are the worker's story (operators filter on one name).
+logger = logging.getLogger("runpool.worker")
+
+
+class Cadence:
+    """Something done at most once per `interval` seconds (monotonic), e.g. showing the
+    database this worker is alive: a heartbeat does it, and an idle worker's claim does it
+    when no heartbeat has lately."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._last = 0.0
+
+    def done(self, at: float) -> None:
+        self._last = at
+
+    def due(self, now: float) -> bool:
+        """Whether it is due now; if so it counts as done now (an attempt that fails is
+        simply repeated the next time)."""
+        if now - self._last > self._interval:
+            self._last = now
+            return True
+        return False
+
+
+class LeaseKeeper:
+    """The leases of the runs in `slots`. What it may do to a run is narrow: `on_cancel(slot)`
+    when the database flags the run cancelled, `on_lost(slot, why)` when its lease is or may
+    be gone. `touch` is told whenever a heartbeat showed the database this worker is alive."""
+
+    def __init__(self, *, settings: Settings, dsn: str, worker_id: uuid.UUID,
+                 pool: AsyncConnectionPool, slots: Slots, touch: Cadence,
+                 on_cancel: Callable[[Slot], None],
+                 on_lost: Callable[[Slot, str], None]) -> None:
+        self._settings = settings
+        self._dsn = dsn
+        self._worker_id = worker_id
+        self._pool = pool
+        self._slots = slots
+        self._touch = touch
+        self._on_cancel = on_cancel
+        self._on_lost = on_lost
+        self._log = {"worker_id": str(worker_id)}
+
+    async def heartbeat_loop(self) -> None:
+        # A connection of its own: with every pooled connection busy writing checkpoints (or
+        # waiting for one), a heartbeat queued behind them would cost leases.
+        beat_pool = await open_pool(self._dsn, size=1, name=f"runpool-beat-{os.getpid()}",
+                                    connect_timeout=max(2, int(self._settings.heartbeat_seconds)))
+        try:
+            interval = self._settings.heartbeat_seconds
+            while True:
+                await asyncio.sleep(interval)
+                # While its connection is being replaced (after a cut, or a silent network),
+                # the heartbeat borrows from the shared pool rather than wait for it.
+                available = beat_pool.get_stats().get("pool_available", 0)
+                pool = beat_pool if available else self._pool
+                try:
+                    await self._beat(pool)
+                    interval = self._settings.heartbeat_seconds
+                except (psycopg.OperationalError, TimeoutError) as exc:
+                    logger.warning("heartbeat failed: %r", exc,
+                                   extra={"action": "heartbeat_failed", **self._log})
+                    # Retry sooner, so a short outage costs no lease.
+                    interval = min(1.0, self._settings.heartbeat_seconds)
+        finally:
+            await beat_pool.close()
+
+    async def watchdog(self) -> None:
+        """Abandon runs whose lease may have run out, on the local clock alone: a heartbeat
+        stuck on a dead connection (its cancellation can itself take seconds) must not keep a
+        run going past its lease."""
+        while True:
+            await asyncio.sleep(min(0.5, self._settings.heartbeat_seconds / 2))
+            self._abandon_expired()
+
+    async def _beat(self, pool: AsyncConnectionPool) -> None:
+        # A cancelled or draining run may have a thread still running: its lease is renewed
+        # until the thread returns (or the worker exits with it).
+        slots = [s for s in self._slots if s.stop_reason is not StopReason.LEASE_LOST]
+        if not slots:
+            return  # an idle worker shows it is alive through its polls
+        s = self._settings
+        sent = time.monotonic()
+        async with bounded(pool, s.heartbeat_seconds) as conn:
+            cur = await conn.execute(QUERIES["heartbeat"], {
+                "ids": [slot.claimed.id for slot in slots],
+                "attempts": [slot.claimed.attempt for slot in slots],
+                "lease_seconds": s.lease_seconds,
+                "worker_id": self._worker_id,
+            })
+            held = {run_id: cancel for run_id, cancel in await cur.fetchall()}
+        self._touch.done(sent)
+        for slot in slots:
+            if slot.claimed.id in held:
+                cancel = held[slot.claimed.id]
+                if cancel is None:
+                    # Busy: someone holds the row (an API session's open cancel, say). The
+                    # lease is neither renewed nor lost; the next beat tries again, and the
+                    # watchdog still stops the run if its lease runs out meanwhile.
+                    logger.debug("lease of run %s not renewed: its row is locked",
+                                 slot.claimed.id, extra={"action": "lease_busy", **slot.extra})
+                    continue
+                slot.renew(sent + s.lease_seconds)
+                if cancel:
+                    self._on_cancel(slot)
+            elif not slot.finishing and self._slots.holds(slot):
+                self._on_lost(slot, "the database no longer shows this attempt's lease")
+
+    def _abandon_expired(self) -> None:
+        now = time.monotonic()
+        for slot in self._slots:
+            if (slot.deadline < now and slot.stop_reason is not StopReason.LEASE_LOST
+                    and not slot.finishing):
+                self._on_lost(slot, "the lease could not be renewed before it expired")

@@ -1,0 +1,255 @@
+"""The lifecycle of a run in a worker slot: start it, run its handler (resuming what earlier
+attempts committed), record its outcome, and stop it — cancelled, lease lost, or stuck on a
+thread that cannot be stopped — freeing its slot."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+import checkpoints
+
+from . import outcomes, telemetry
+from .app import App
+from .claiming import ClaimedRun
+from .context import Run
+from .control import RunControl
+from .db import again, bounded
+from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
+from .outcomes import Outcome, OutcomeWriter
+from .settings import Settings
+from .slot import Slot, Slots, StopReason
+from .tasks import Background
+
+__all__ = ["SlotRunner"]
+
+# The worker's logger: a slot's story is the worker's (operators filter on one name).
+logger = logging.getLogger("runpool.worker")
+
+
+class SlotRunner:
+    """Runs the worker's slots, on its event loop. What it needs of the worker is narrow:
+    `wake()` (a slot freed, or a retry is due: look for work), and `on_stuck(hurry)` (a run's
+    thread cannot be stopped: the worker must exit; `hurry`: at once, the run's lease is
+    lost)."""
+
+    def __init__(self, *, settings: Settings, app: App, pool: AsyncConnectionPool,
+                 outcomes: OutcomeWriter, slots: Slots, log: dict[str, str],
+                 wake: Callable[[], None], on_stuck: Callable[[bool], None]) -> None:
+        self._settings = settings
+        self._app = app
+        self._pool = pool
+        self._outcomes = outcomes
+        self._slots = slots
+        self._log = log
+        self._wake = wake
+        self._on_stuck = on_stuck
+        self._background = Background()
+
+    def start(self, c: ClaimedRun, sent: float) -> None:
+        """Run a claimed attempt in a slot of its own (`sent`: when its claim was sent)."""
+        control = RunControl(asyncio.get_running_loop(), f"runpool-run-{c.id}")
+        slot = Slot(c, control, deadline=sent + self._settings.lease_seconds,
+                    extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
+        self._slots.add(slot)
+        slot.start(self._execute(slot))
+
+    def _vacate(self, slot: Slot) -> None:
+        self._slots.vacate(slot)
+        self._wake()
+
+    # -- executing ---------------------------------------------------------------------------
+
+    async def _execute(self, slot: Slot) -> None:
+        if not telemetry.enabled():
+            await self._execute_traced(slot, None)
+            return
+        c = slot.claimed
+        with telemetry.process_span(c.id, c.tenant, c.handler, c.attempt, c.traceparent) as span:
+            await self._execute_traced(slot, span)
+
+    async def _execute_traced(self, slot: Slot, span: Any) -> None:
+        try:
+            try:
+                outcome = await self._call(slot)
+            except Exception as exc:
+                # A bug of ours must end the run visibly, not leave it to a lease expiry.
+                logger.exception("internal error running %s", slot.claimed.id,
+                                 extra={"action": "run_internal_error", **slot.extra})
+                outcome = outcomes.failed(slot.claimed.id, slot.claimed.attempt,
+                                          "internal_error", repr(exc))
+            # Whatever ended the handler's coroutine (return, cancel, lease loss, drain), a
+            # thread of the run may still run: until it returns, the run keeps its slot, its
+            # lease and its status (never released, never recorded ended).
+            await self._threads_finished(slot)
+            if span is not None:
+                stop = slot.stop_reason
+                telemetry.finish(span, *(((stop.value if stop else "abandoned"), None)
+                                         if outcome is None else (outcome.kind, outcome.reason)))
+            if outcome is not None:
+                slot.finish()
+                status = await self._outcomes.submit(
+                    outcome, serial=slot.claimed.serial_key is not None)
+                if status == "queued":
+                    # Our own retry is due after its backoff: look again then, not at the poll.
+                    asyncio.get_running_loop().call_later(outcome.retry_delay, self._wake)
+                # Per-run success is DEBUG (run_events has every run's story); anything
+                # else is worth an operator's eye.
+                logger.log(
+                    logging.DEBUG if status == "succeeded" else logging.INFO,
+                    "run %s attempt %d: %s", slot.claimed.id, slot.claimed.attempt,
+                    status or "not recorded (the lease was lost, or the database stayed"
+                              " unreachable; the run is reclaimed when its lease expires)",
+                    extra={"action": "run_finished" if status else "outcome_not_recorded",
+                           **slot.extra},
+                )
+        finally:
+            self._vacate(slot)
+
+    async def _threads_finished(self, slot: Slot) -> None:
+        threads = slot.control.threads
+        while threads.running:
+            try:
+                await threads.finished()
+            except asyncio.CancelledError:
+                # Only a worker that exits may stop waiting: the threads die with it.
+                if slot.given_up:
+                    raise
+
+    async def _call(self, slot: Slot) -> Outcome | None:
+        c, s = slot.claimed, self._settings
+        handler = self._app.get(c.handler)
+        if handler is None:
+            return outcomes.failed(
+                c.id, c.attempt, "unknown_handler",
+                f"no handler named {c.handler!r} is registered on this worker"
+                f" (known: {', '.join(self._app.names) or 'none'})")
+        try:
+            run_input = c.decode_input()
+        except InvalidInput as exc:
+            return outcomes.failed(c.id, c.attempt, "invalid_input", str(exc))
+        try:
+            messages, calls = await self._resume(slot) if c.attempt > 1 else ([], {})
+            run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt,
+                      input=run_input, pool=self._pool, max_message_bytes=s.max_message_bytes,
+                      write_timeout=s.lease_seconds / 2, messages=messages, tool_calls=calls,
+                      control=slot.control)
+            if handler.is_async:
+                result = await handler.fn(run)
+            else:
+                result = await slot.control.threads.call(handler.fn, run)
+        except asyncio.CancelledError:
+            if slot.stop_reason is StopReason.CANCELLED:
+                return _cancelled_outcome(slot)
+            # lease_lost: another attempt may own the run now; shutdown: released by the drain.
+            if slot.stop_reason is None:
+                raise
+            return None
+        except LeaseLost:
+            # The run is someone else's now; nothing of this attempt may be written.
+            self.abandon(slot, "a checkpoint write found the lease taken", cancel=False)
+            return None
+        except Exception as exc:
+            if slot.stop_reason is StopReason.CANCELLED:
+                # E.g. a plain handler's tool_sync refusing to start a call after the cancel.
+                return _cancelled_outcome(slot)
+            if not isinstance(exc, Fail | InvalidInput | ToolOutcomeUnknown):
+                logger.warning("run %s raised %s", c.id, type(exc).__name__,
+                               extra={"action": "run_raised", **slot.extra})
+            return outcomes.from_exception(
+                c.id, c.attempt, exc, attempts_used=c.attempt - c.attempt_offset,
+                backoff=s.retry_backoff_seconds, no_retry=handler.no_retry)
+        if slot.control.cancelled:
+            return _cancelled_outcome(slot)
+        return outcomes.from_result(c.id, c.attempt, result, max_bytes=s.max_result_bytes)
+
+    async def _resume(self, slot: Slot) -> tuple[list[checkpoints.Message],
+                                                 dict[str, checkpoints.ToolCall]]:
+        """What earlier attempts committed: resuming reads rows, it replays nothing."""
+        pool, page_seconds = self._pool, self._settings.lease_seconds / 2
+        try:
+            # Paged, each page under its own deadline: a long run's history (20,000 messages
+            # and calls) is many short reads, not one read that must beat one deadline. A
+            # read: repeated when a connection broke under it.
+            return await again(
+                lambda _: checkpoints.load_paged(lambda: bounded(pool, page_seconds),
+                                                 slot.claimed.id),
+                page_seconds, what="resume read", log=slot.extra)
+        except ValueError as exc:
+            # jsonb holds values the decoder refuses (nesting past 1,024 levels): every
+            # attempt would meet them, so the run fails now instead of retrying.
+            raise InvalidInput(f"the run's history cannot be decoded: {exc}") from None
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    def cancel(self, slot: Slot) -> None:
+        """A cancel of the run is confirmed: its task is cancelled; a handler still going
+        after the cancel grace is recorded cancelled anyway (see `_force`)."""
+        if not slot.request_cancel():
+            return
+        logger.info("cancelling run %s", slot.claimed.id,
+                    extra={"action": "run_cancelling", **slot.extra})
+        asyncio.get_running_loop().call_later(
+            self._settings.cancel_grace_seconds,
+            lambda: self._background.spawn(self._force(slot)))
+
+    async def _force(self, slot: Slot) -> None:
+        """The handler ignored cancellation past its grace: record it cancelled and free the
+        slot; whatever the handler does later is fenced. A thread cannot be stopped, though:
+        while one of the run's threads runs, the worker exits instead (see `give_up`)."""
+        if not self._slots.holds(slot) or slot.finishing:
+            return
+        if slot.threads_running:
+            self.stuck_check(slot, "ignored its cancellation past the cancel grace")
+            return
+        slot.finish()
+        await self._outcomes.submit(_cancelled_outcome(slot),
+                                    serial=slot.claimed.serial_key is not None)
+        self._vacate(slot)
+
+    def abandon(self, slot: Slot, why: str, *, cancel: bool = True) -> None:
+        """Stop a run whose lease is (or may be) lost: every later write of it is fenced."""
+        if not slot.abandon(cancel_task=cancel):
+            return
+        logger.warning("lease lost for run %s: %s", slot.claimed.id, why,
+                       extra={"action": "lease_lost", **slot.extra})
+        asyncio.get_running_loop().call_later(
+            self._settings.cancel_grace_seconds, self.stuck_check, slot,
+            "outlived the loss of its lease by the cancel grace", True)
+
+    def stuck_check(self, slot: Slot, why: str, lost: bool = False) -> None:
+        """Past a grace period: a run whose thread still runs makes this worker exit (`lost`:
+        the run's lease is gone, so it exits at once, releasing its other runs)."""
+        if not self._slots.holds(slot):
+            return
+        if slot.threads_running:
+            self.give_up([slot], why, hurry=lost)
+        elif lost and not slot.finishing:
+            # An async handler that swallowed its cancellation: the run is someone else's now
+            # and every write of this attempt is fenced, so the slot is freed (as a forced
+            # cancel frees it) instead of being held forever; the task ends when it ends.
+            logger.error("run %s: the handler %s; its slot is freed", slot.claimed.id, why,
+                         extra={"action": "slot_forced_free", **slot.extra})
+            self._vacate(slot)
+
+    def give_up(self, slots: list[Slot], why: str, *, hurry: bool = False) -> None:
+        """A thread cannot be stopped, and its run may not run anywhere else meanwhile: this
+        worker stops claiming, drains its other runs, keeps renewing the stuck runs' leases,
+        and exits (EXIT_STUCK) so their threads end with the process. Their leases then expire
+        and the reaper reclaims them (or records them cancelled, if a cancel was requested)."""
+        for slot in slots:
+            slot.give_up()
+            logger.error(
+                "run %s: a handler thread %s and cannot be stopped; this worker exits when"
+                " its other runs are done, and the run is reclaimed when its lease expires",
+                slot.claimed.id, why, extra={"action": "thread_stuck", **slot.extra})
+        self._on_stuck(hurry)
+
+
+def _cancelled_outcome(slot: Slot) -> Outcome:
+    return Outcome(slot.claimed.id, slot.claimed.attempt, "cancelled",
+                   error=outcomes.error_doc("cancelled", "cancelled on request"))
