@@ -1,6 +1,7 @@
-"""runpool's modules import each other without circles: the graph is read from the source with
-`ast`, every import counted — module level, inside functions (lazy), under TYPE_CHECKING — so
-a circle cannot hide behind a lazy import. Walks the whole package, subpackages included."""
+"""The shape of runpool's modules, read from the source with `ast` over the whole package
+(subpackages included): they import each other without circles — every import counted,
+module level, inside functions (lazy), under TYPE_CHECKING, so a circle cannot hide behind a
+lazy import — and none reaches into another module's objects' private members."""
 
 from __future__ import annotations
 
@@ -112,3 +113,50 @@ def test_import_graph__sees_lazy_relative_and_type_checking_imports(tmp_path: Pa
         (pkg / name).write_text(text)
     assert cycles(import_graph(pkg)) == [
         ["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.e", "pkg.sub.f"]]
+
+
+# Private names of other modules that runpool may use: os._exit ends a process without its
+# exit handlers (a forked worker, an orphan), which is what it is documented for.
+PRIVATE_ALLOWED = {"os._exit"}
+
+
+def private_reaches(source: str) -> list[str]:
+    """`x._name` where x is not self/cls and nothing in this source defines `_name`: a reach
+    into another module's private state (as `line: expression`)."""
+    tree = ast.parse(source)
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            own.add(node.value)  # __slots__ entries
+    return sorted(
+        f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+        and not node.attr.startswith("__") and node.attr not in own
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        and ast.unparse(node) not in PRIVATE_ALLOWED
+    )
+
+
+def test_no_module_reaches_into_another_modules_private_members() -> None:
+    reaches = [f"{name}:{reach}" for name, path in modules(PACKAGE).items()
+               for reach in private_reaches(path.read_text())]
+    assert reaches == []
+
+
+def test_private_reaches__found() -> None:
+    source = (
+        "class Own:\n"
+        "    def __init__(self, other):\n"
+        "        self._mine = 1\n"
+        "        other._mine = 2\n"          # a private this module defines: its business
+        "        other.run._mark_lost()\n"  # another module's: a reach
+        "        self._worker._pool\n"       # a reach too, through an attribute of self
+        "        os._exit(1)\n"              # allowed
+    )
+    assert private_reaches(source) == ["5: other.run._mark_lost", "6: self._worker._pool"]
