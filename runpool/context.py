@@ -78,7 +78,8 @@ class Run:
 
     The worker owns this attempt: it sets the cancellation and lease-loss flags (from a NOTIFY,
     a heartbeat or its lease clock) on the attempt's RunControl, which this Run reads; the
-    handler reads them too and calls the methods below.
+    handler reads them too and calls the methods below. `control` is the worker's internal
+    interface (runpool.control): a Run made by hand, in a test say, leaves it out.
     """
 
     def __init__(
