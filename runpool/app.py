@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .errors import AppNotFound, InvalidInput
+from .limits import NAME_MAX_LENGTH
 
 __all__ = ["App", "Handler", "load_app"]
 
@@ -42,8 +43,8 @@ class App:
     def handler(
         self, name: str, *, no_retry: tuple[type[BaseException], ...] = ()
     ) -> Callable[[HandlerFn], HandlerFn]:
-        if not 1 <= len(name) <= 200:
-            raise InvalidInput("handler name must be 1 to 200 characters")
+        if not 1 <= len(name) <= NAME_MAX_LENGTH:
+            raise InvalidInput(f"handler name must be 1 to {NAME_MAX_LENGTH} characters")
 
         def register(fn: HandlerFn) -> HandlerFn:
             if name in self._handlers:

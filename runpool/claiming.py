@@ -26,17 +26,15 @@ class ClaimedRun:
     tenant: str
     handler: str
     attempt: int
-    attempt_offset: int
+    # Of max_attempts (runpool.attempts_used: released attempts and those before a retry_run
+    # do not count).
+    attempts_used: int
     max_attempts: int
     # The input's JSON text, decoded only in the run's own slot (see decode_input).
     input: bytes
     traceparent: str | None
     created_at: datetime
     serial_key: str | None = None
-
-    @property
-    def attempts_left(self) -> int:
-        return self.max_attempts - (self.attempt - self.attempt_offset)
 
     def decode_input(self) -> Any:
         """The run's input as Python values; InvalidInput for a value jsonb holds but the

@@ -24,6 +24,7 @@ from . import faults, telemetry
 from .control import RunControl
 from .db import dumps, jsonb, loads, retrying, transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
+from .limits import NAME_MAX_LENGTH
 
 __all__ = ["Run", "ToolFn"]
 
@@ -206,10 +207,11 @@ class Run:
           sees the failure; so is a result that cannot be stored (not JSON, NUL characters, or
           over RUNPOOL_MAX_MESSAGE_BYTES).
         """
-        if not isinstance(call_id, str) or not 1 <= len(call_id) <= 200 or "\x00" in call_id:
-            raise InvalidInput("tool call_id must be 1 to 200 characters, without NUL")
-        if not isinstance(name, str) or not 1 <= len(name) <= 200 or "\x00" in name:
-            raise InvalidInput("tool name must be 1 to 200 characters, without NUL")
+        for what, value in (("call_id", call_id), ("name", name)):
+            if not isinstance(value, str) or not 1 <= len(value) <= NAME_MAX_LENGTH \
+                    or "\x00" in value:
+                raise InvalidInput(
+                    f"tool {what} must be 1 to {NAME_MAX_LENGTH} characters, without NUL")
         args = self._encode(arguments, "tool arguments")
         committed_args = loads(args)
         prior = self._calls.get(call_id)

@@ -14,16 +14,16 @@ reaped AS (
     UPDATE runpool.runs r SET
         status = CASE
             WHEN r.cancel_requested_at IS NOT NULL THEN 'cancelled'
-            WHEN r.attempt - r.attempt_offset >= r.max_attempts THEN 'failed'
+            WHEN runpool.attempts_used(r) >= r.max_attempts THEN 'failed'
             ELSE 'queued' END,
         error = CASE
-            WHEN r.cancel_requested_at IS NULL AND r.attempt - r.attempt_offset >= r.max_attempts
+            WHEN r.cancel_requested_at IS NULL AND runpool.attempts_used(r) >= r.max_attempts
             THEN jsonb_build_object('reason', 'lease_expired',
                                     'message', 'lease expired on the last allowed attempt')
             ELSE r.error END,
         finished_at = CASE
             WHEN r.cancel_requested_at IS NOT NULL
-              OR r.attempt - r.attempt_offset >= r.max_attempts THEN now() END,
+              OR runpool.attempts_used(r) >= r.max_attempts THEN now() END,
         lease_expires_at = NULL,
         available_at = now(),
         deferred = false
@@ -60,15 +60,12 @@ WHERE r.id = ANY(ARRAY(SELECT d.id FROM runpool.runs d
 -- The handlers with runs ready to claim, for a claimer that serves every handler (tests,
 -- benchmarks): a loose index scan, one probe per handler. A pool passes its own list instead.
 WITH RECURSIVE every_handler AS (
-    (SELECT r.handler FROM runpool.runs r
-     WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-     ORDER BY r.handler LIMIT 1)
+    (SELECT r.handler FROM runpool.ready_runs r ORDER BY r.handler LIMIT 1)
     UNION ALL
     SELECT n.handler
     FROM every_handler h CROSS JOIN LATERAL (
-        SELECT r.handler FROM runpool.runs r
-        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-          AND r.handler > h.handler
+        SELECT r.handler FROM runpool.ready_runs r
+        WHERE r.handler > h.handler
         ORDER BY r.handler LIMIT 1) n
 )
 SELECT handler FROM every_handler;
@@ -84,16 +81,14 @@ WITH RECURSIVE served AS (
     SELECT s.handler, n.tenant, n.rank
     FROM unnest(%(handlers)s::text[]) AS s(handler)
     CROSS JOIN LATERAL (
-        SELECT r.tenant, r.rank FROM runpool.runs r
-        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-          AND r.handler = s.handler
+        SELECT r.tenant, r.rank FROM runpool.ready_runs r
+        WHERE r.handler = s.handler
         ORDER BY r.tenant, r.rank LIMIT 1) n
     UNION ALL
     SELECT h.handler, n.tenant, n.rank
     FROM served h CROSS JOIN LATERAL (
-        SELECT r.tenant, r.rank FROM runpool.runs r
-        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
-          AND r.handler = h.handler AND r.tenant > h.tenant
+        SELECT r.tenant, r.rank FROM runpool.ready_runs r
+        WHERE r.handler = h.handler AND r.tenant > h.tenant
         ORDER BY r.tenant, r.rank LIMIT 1) n
 ),
 heads AS (
@@ -102,11 +97,8 @@ heads AS (
 best AS (
     SELECT h.tenant
     FROM heads h
-    JOIN runpool.tenants t ON t.tenant = h.tenant
-    WHERE coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) IS NULL
-       OR coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) > (
-            SELECT count(*) FROM runpool.runs l
-            WHERE l.tenant = t.tenant AND l.status = 'running' AND l.lease_expires_at > now())
+    JOIN runpool.tenant_capacity q ON q.tenant = h.tenant
+    WHERE q.quota IS NULL OR q.quota > q.live
     ORDER BY h.rank
     LIMIT %(limit)s
 )
@@ -125,13 +117,9 @@ WITH handlers AS (
 capacity AS (
     -- Recounted under the tenant locks, in this statement's fresh snapshot: no other claimer
     -- can add a live lease for these tenants until we commit, so the quota is exact.
-    SELECT t.tenant,
-           coalesce(t.max_running, (SELECT default_quota FROM runpool.config)) - (
-               SELECT count(*) FROM runpool.runs l
-               WHERE l.tenant = t.tenant AND l.status = 'running'
-                 AND l.lease_expires_at > now()) AS free
-    FROM runpool.tenants t
-    WHERE t.tenant = ANY(%(tenants)s::text[])
+    SELECT q.tenant, q.quota - q.live AS free
+    FROM runpool.tenant_capacity q
+    WHERE q.tenant = ANY(%(tenants)s::text[])
 ),
 candidates AS (
     -- Only the head of each tenant's queue is read, per handler this pool serves: cost does
@@ -143,13 +131,9 @@ candidates AS (
         FROM handlers s
         CROSS JOIN LATERAL (
             SELECT r.id, r.rank
-            FROM runpool.runs r
+            FROM runpool.ready_runs r
             WHERE r.handler = s.handler
               AND r.tenant = cap.tenant
-              AND r.status = 'queued'
-              AND NOT r.held
-              AND NOT r.deferred
-              AND NOT r.paused
               AND r.available_at <= clock_timestamp()
             ORDER BY r.rank
             LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)) one
@@ -177,14 +161,15 @@ claimed AS (
         started_at = now()
     FROM locked
     WHERE r.id = locked.id
-    RETURNING r.id, r.tenant, r.handler, r.attempt, r.attempt_offset, r.max_attempts,
+    RETURNING r.id, r.tenant, r.handler, r.attempt, runpool.attempts_used(r) AS attempts_used,
+              r.max_attempts,
               r.input, r.traceparent, r.created_at, r.serial_key, r.rank
 ),
 events AS (
     INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id)
     SELECT id, 'claimed', attempt, %(worker_id)s FROM claimed
 )
-SELECT id, tenant, handler, attempt, attempt_offset, max_attempts, input, traceparent, created_at,
+SELECT id, tenant, handler, attempt, attempts_used, max_attempts, input, traceparent, created_at,
        serial_key
 FROM claimed
 ORDER BY rank;
@@ -246,7 +231,7 @@ SELECT set_config('runpool.release', pg_current_xact_id()::text, true);
 -- caller's open transaction holding the key's enqueue lock does not matter (see 0006).
 SELECT set_config('runpool.release', '', true), (
     SELECT count(*) FILTER (WHERE pg_try_advisory_xact_lock_shared(
-               hashtextextended(k.tenant || chr(31) || k.serial_key, 7371)))
+               runpool.serial_commit_lock(k.tenant, k.serial_key)))
     FROM (SELECT DISTINCT r.tenant, r.serial_key
           FROM runpool.runs r
           WHERE r.id = ANY(%(ids)s::uuid[])
@@ -273,8 +258,7 @@ WHERE r.held AND r.id IN (
             AND e.status IN ('succeeded', 'failed', 'cancelled')
             AND e.xmin = pg_current_xact_id()::xid) k
     -- Only the keys whose commit lock this transaction holds (granted again at once).
-    WHERE pg_try_advisory_xact_lock_shared(
-        hashtextextended(k.tenant || chr(31) || k.serial_key, 7371))
+    WHERE pg_try_advisory_xact_lock_shared(runpool.serial_commit_lock(k.tenant, k.serial_key))
 );
 
 -- name: finish_runs
@@ -300,7 +284,7 @@ decided AS (
                WHEN o.outcome <> 'retry' THEN o.outcome
                -- A cancel requested while the attempt failed ends the run; it does not retry.
                WHEN r.cancel_requested_at IS NOT NULL THEN 'cancelled'
-               WHEN r.attempt - r.attempt_offset >= r.max_attempts THEN 'failed'
+               WHEN runpool.attempts_used(r) >= r.max_attempts THEN 'failed'
                ELSE 'queued'
            END AS status
     FROM outcome o
@@ -320,8 +304,8 @@ done AS (
         deferred = d.status = 'queued' AND d.delay > 0,
         -- A retry is a new arrival: it ages from the end of its backoff.
         rank = CASE WHEN d.status = 'queued'
-                    THEN extract(epoch FROM now()) + d.delay
-                         - d.priority * (SELECT aging_seconds FROM runpool.config)
+                    THEN runpool.rank(now() + d.delay * interval '1 second', d.priority,
+                                      (SELECT aging_seconds FROM runpool.config))
                     ELSE r.rank END
     FROM decided d
     WHERE r.id = d.id AND r.attempt = d.attempt AND r.status = 'running'

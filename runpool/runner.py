@@ -161,7 +161,7 @@ class SlotRunner:
                 logger.warning("run %s raised %s", c.id, type(exc).__name__,
                                extra={"action": "run_raised", **slot.extra})
             return outcomes.from_exception(
-                c.id, c.attempt, exc, attempts_used=c.attempt - c.attempt_offset,
+                c.id, c.attempt, exc, attempts_used=c.attempts_used,
                 backoff=s.retry_backoff_seconds, no_retry=handler.no_retry)
         if slot.control.cancelled:
             return _cancelled_outcome(slot)

@@ -1,0 +1,65 @@
+"""Each business rule has one definition (migration 0008), and what uses it really does:
+the name limit is the same in Python and in every constraint, the rule functions are inlined
+(free on the hot path), and the claim's probes read the ready-run index through the view."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from runpool.limits import NAME_MAX_LENGTH
+from runpool.queries import QUERIES
+
+# The CHECK constraints that bound a name's length, by table.
+_NAME_CHECKS = """
+SELECT c.conrelid::regclass::text, c.conname, pg_get_constraintdef(c.oid)
+FROM pg_constraint c
+WHERE c.connamespace = 'runpool'::regnamespace AND c.contype = 'c'
+  AND c.conname IN ('tenant_length', 'handler_length', 'idempotency_key_length',
+                    'serial_key_length', 'call_id_length', 'name_length')
+ORDER BY 1, 2"""
+
+
+def _plan(conn: psycopg.Connection, query: str, params: dict[str, object] | None = None) -> str:
+    rows = conn.execute("EXPLAIN (VERBOSE, COSTS OFF) " + query, params).fetchall()
+    return "\n".join(r[0] for r in rows)
+
+
+def test_the_name_limit_is_one_number_in_python_in_sql_and_in_every_constraint(
+        conn: psycopg.Connection) -> None:
+    assert conn.execute("SELECT runpool.max_name_length()").fetchone() == (NAME_MAX_LENGTH,)
+    checks = conn.execute(_NAME_CHECKS).fetchall()
+    assert len(checks) == 7, checks
+    for table, name, definition in checks:
+        assert f"BETWEEN 1 AND {NAME_MAX_LENGTH})" in definition, (table, name, definition)
+
+
+def test_a_name_one_over_the_limit_is_refused_by_enqueue_with_the_limit_in_the_message(
+        conn: psycopg.Connection) -> None:
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=f"1 to {NAME_MAX_LENGTH} "):
+        conn.execute("SELECT runpool.enqueue(%s, 'h')", ("t" * (NAME_MAX_LENGTH + 1),))
+    assert conn.execute("SELECT count(*) FROM runpool.runs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(("call", "expanded"), [
+    ("runpool.attempts_used(r)", "(attempt - attempt_offset)"),
+    ("runpool.serial_key_lock(r.tenant, r.serial_key)", "hashtextextended("),
+    ("runpool.rank(r.created_at, r.priority, 30.0)", "EXTRACT(epoch FROM created_at)"),
+])
+def test_the_rule_functions_are_inlined_so_the_hot_path_pays_no_call(
+        conn: psycopg.Connection, call: str, expanded: str) -> None:
+    plan = _plan(conn, f"SELECT {call} FROM runpool.runs r")
+    name = call.split("(")[0]
+    assert expanded in plan and name not in plan, plan
+
+
+@pytest.mark.parametrize("statement", ["ready_handlers", "lock_tenants", "claim_runs"])
+def test_the_claim_reads_ready_runs_through_the_ready_index(
+        conn: psycopg.Connection, statement: str) -> None:
+    # With sequential scans priced out, a probe can only avoid one through an index whose
+    # predicate the view's implies: runs_ready.
+    conn.execute("SET enable_seqscan = off")
+    params = {"handlers": ["h"], "limit": 10, "tenants": ["t"], "worker_id": None,
+              "lease_seconds": 30}
+    plan = _plan(conn, QUERIES[statement], params)
+    assert "runs_ready" in plan, plan
