@@ -31,7 +31,7 @@ def test_the_name_limit_is_one_number_in_python_in_sql_and_in_every_constraint(
     checks = conn.execute(_NAME_CHECKS).fetchall()
     assert len(checks) == 7, checks
     for table, name, definition in checks:
-        assert f"BETWEEN 1 AND {NAME_MAX_LENGTH})" in definition, (table, name, definition)
+        assert f"<= {NAME_MAX_LENGTH})" in definition, (table, name, definition)
 
 
 def test_a_name_one_over_the_limit_is_refused_by_enqueue_with_the_limit_in_the_message(

@@ -18,7 +18,7 @@ from runpool.slot import Slot, Slots, StopReason
 
 def claimed(run_id: uuid.UUID | None = None, attempt: int = 1) -> ClaimedRun:
     return ClaimedRun(id=run_id or uuid.uuid4(), tenant="acme", handler="h", attempt=attempt,
-                      attempt_offset=0, max_attempts=3, input=b"{}", traceparent=None,
+                      attempts_used=attempt, max_attempts=3, input=b"{}", traceparent=None,
                       created_at=datetime.now(UTC))
 
 
