@@ -117,6 +117,7 @@ def test_embedded_pool__runs_runs_in_the_hosts_loop_touching_nothing_process_wid
         ticker = asyncio.create_task(host_work())
         async with await aconnect(dsn, autocommit=True) as c:
             async with runpool.Pool(app, dsn=dsn, concurrency=3, poll_seconds=0.2) as pool:
+                ticks_at_start = host_ticks
                 assert isinstance(pool.worker_id, uuid.UUID)
                 done = await until(lambda: _all_succeeded(c, ids), "every run")
                 assert done
@@ -125,13 +126,15 @@ def test_embedded_pool__runs_runs_in_the_hosts_loop_touching_nothing_process_wid
                     "SELECT count(*) FROM runpool.workers WHERE id = %s AND stopped_at IS NULL",
                     (pool.worker_id,))
                 assert await cur.fetchone() == (1,)
+                # The host's own task ran while the pool served (how often depends on how
+                # fast the runs went: CI saw 7 ticks in all on a loaded machine).
+                assert host_ticks > ticks_at_start
             first = await row(c, ids[0])
             assert first["result"] == {"echo": "HI 0", "pid": os.getpid()}
             assert (await row(c, ids[-1]))["result"] == {"echo": "SYNC"}
             cur = await c.execute("SELECT stopped_at IS NOT NULL FROM runpool.workers")
             assert await cur.fetchall() == [(True,)]
         ticker.cancel()
-        assert host_ticks > 10
         assert process_wide() == before
 
     asyncio.run(main())
