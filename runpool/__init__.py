@@ -13,6 +13,7 @@ from .errors import (
     Fail,
     InvalidInput,
     LeaseLost,
+    NotFound,
     RunpoolError,
     SchemaOutOfDate,
     ToolOutcomeUnknown,
@@ -20,6 +21,7 @@ from .errors import (
     UsageError,
     WorkerFailed,
 )
+from .live import RunEvent, RunResult, follow, wait, wait_async
 from .pool import Pool
 from .resolve import resolve_tool_call
 from .settings import Settings
@@ -34,8 +36,11 @@ __all__ = [
     "InvalidInput",
     "LeaseLost",
     "Message",
+    "NotFound",
     "Pool",
     "Run",
+    "RunEvent",
+    "RunResult",
     "RunSpec",
     "RunpoolError",
     "SchemaOutOfDate",
@@ -49,5 +54,8 @@ __all__ = [
     "enqueue",
     "enqueue_async",
     "enqueue_many",
+    "follow",
     "resolve_tool_call",
+    "wait",
+    "wait_async",
 ]

@@ -32,7 +32,7 @@ __all__ = ["main"]
 POOL_COMMANDS = ("worker", "run")
 COMMANDS = (
     *POOL_COMMANDS, "migrate", "enqueue", "cancel", "retry", "resolve", "explain", "runs",
-    "status", "demo", "bench",
+    "wait", "status", "demo", "bench",
 )
 
 # The SQL API, called exactly as an application would.
@@ -144,7 +144,18 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("runs", help="one run's history: events, messages, tool calls")
     _add_settings_flags(p, db_only)
     p.add_argument("run_id")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document (with --follow: one per event)")
+    p.add_argument("--follow", action="store_true",
+                   help="print the run's events as they happen; exit after its end")
+    p.add_argument("--after", type=int, default=0, help="with --follow: the last seq seen")
+
+    p = sub.add_parser("wait", help="wait for a run to end (exit 0 succeeded, 1 failed or"
+                                    " cancelled, 3 timed out)")
+    _add_settings_flags(p, db_only)
+    p.add_argument("run_id")
+    p.add_argument("--timeout", type=float, default=None, help="seconds (default: no limit)")
+    p.add_argument("--json", action="store_true", help="print the RunResult as JSON")
 
     p = sub.add_parser("status", help="counts, in-flight and stuck runs, failures, workers")
     _add_settings_flags(p, db_only)
@@ -215,7 +226,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             migrate(conn)
         check(conn)  # a configured database: say what to run instead of failing obscurely
         try:
-            return _simple(conn, args)
+            return _simple(conn, args, dsn)
         except psycopg.Error as exc:
             raise translate_error(exc) from exc
 
@@ -258,7 +269,7 @@ def _parse_run_id(text: str) -> uuid.UUID:
         raise InvalidInput(f"not a run id (a UUID): {text!r}") from None
 
 
-def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: str) -> int:
     if args.command == "enqueue":
         from .enqueue import enqueue
 
@@ -305,6 +316,15 @@ def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
             for key, value in doc.items():
                 print(f"  {key}: {value}")
         return 0
+    if args.command == "wait":
+        from .live_cli import wait_command
+
+        return wait_command(conn, _parse_run_id(args.run_id), args.timeout, as_json=args.json)
+    if args.command == "runs" and args.follow:
+        from .live_cli import follow_command
+
+        return follow_command(dsn, _parse_run_id(args.run_id), after=args.after,
+                              as_json=args.json)
     if args.command == "runs":
         from .status import history, render_history
 

@@ -25,6 +25,7 @@ from .control import RunControl
 from .db import dumps, jsonb, loads, retrying, transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
 from .limits import NAME_MAX_LENGTH
+from .progress import encode as encode_progress
 
 __all__ = ["Run", "ToolFn"]
 
@@ -97,6 +98,7 @@ class Run:
         messages: Sequence[Message] = (),
         tool_calls: dict[str, ToolCall] | None = None,
         control: RunControl | None = None,
+        progress: Callable[[uuid.UUID, int, bytes], None] | None = None,
     ) -> None:
         self.id = id
         self.tenant = tenant
@@ -108,6 +110,7 @@ class Run:
         self._write_timeout = write_timeout
         self._messages = list(messages)
         self._calls = dict(tool_calls or {})
+        self._progress = progress  # the worker's progress outbox (see runpool.progress)
         # Calls being executed in this attempt: (name, arguments as committed, the outcome
         # other callers share).
         self._inflight: dict[str, tuple[str, Any, asyncio.Future[Any]]] = {}
@@ -348,6 +351,14 @@ class Run:
             prior.started_at if prior and status != "started" else now,
             None if status == "started" else now)
 
+    async def progress(self, data: Any) -> None:
+        """Tell whoever follows the run now (not stored; coalesced, best effort): never
+        waits, never fails the run once `data` is valid; InvalidInput (nothing sent) for data
+        that is not JSON or over progress.MAX_PROGRESS_BYTES."""
+        encoded = encode_progress(data)
+        if self._progress is not None and not self._control.lost:
+            self._progress(self.id, self.attempt, encoded)
+
     def model_call(self, model: str) -> AbstractContextManager[Any]:
         """Wrap a model call: a `chat {model}` span (GenAI conventions) when tracing is on."""
         return telemetry.model_span(model)
@@ -383,6 +394,10 @@ class Run:
         stored result)."""
         return self._sync(lambda: self.tool(call_id, name, arguments, fn,
                                             retry_interrupted=retry_interrupted))
+
+    def progress_sync(self, data: Any) -> None:
+        """progress() for a plain `def` handler (which runs in a thread)."""
+        self._sync(lambda: self.progress(data))
 
     def __repr__(self) -> str:
         return f"Run(id={self.id}, tenant={self.tenant!r}, attempt={self.attempt})"

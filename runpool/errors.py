@@ -15,6 +15,7 @@ __all__ = [
     "Fail",
     "InvalidInput",
     "LeaseLost",
+    "NotFound",
     "RunpoolError",
     "SchemaOutOfDate",
     "ToolOutcomeUnknown",
@@ -33,6 +34,10 @@ class RunpoolError(Exception):
 
 class InvalidInput(RunpoolError, ValueError):
     """Invalid argument: nothing was written."""
+
+
+class NotFound(RunpoolError, LookupError):
+    """No such run (or, asked for a tenant, it is another tenant's)."""
 
 
 class LeaseLost(RunpoolError, checkpoints.LeaseLost):
@@ -87,6 +92,6 @@ class Fail(RunpoolError):
         self.reason = reason
 
 
-for _cls in (RunpoolError, InvalidInput, LeaseLost, AppNotFound, DatabaseTimeout, UsageError,
-             WorkerFailed, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown, Fail):
+for _cls in (RunpoolError, InvalidInput, NotFound, LeaseLost, AppNotFound, DatabaseTimeout,
+             UsageError, WorkerFailed, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown, Fail):
     _cls.__module__ = "runpool"

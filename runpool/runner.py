@@ -21,6 +21,7 @@ from .control import RunControl
 from .db import again, bounded
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
 from .outcomes import Outcome, OutcomeWriter
+from .progress import Publisher
 from .settings import Settings
 from .slot import Slot, Slots, StopReason
 from .tasks import Background
@@ -39,7 +40,8 @@ class SlotRunner:
 
     def __init__(self, *, settings: Settings, app: App, pool: AsyncConnectionPool,
                  outcomes: OutcomeWriter, slots: Slots, log: dict[str, str],
-                 wake: Callable[[], None], on_stuck: Callable[[bool], None]) -> None:
+                 wake: Callable[[], None], on_stuck: Callable[[bool], None],
+                 progress: Publisher | None = None) -> None:
         self._settings = settings
         self._app = app
         self._pool = pool
@@ -48,6 +50,7 @@ class SlotRunner:
         self._log = log
         self._wake = wake
         self._on_stuck = on_stuck
+        self._progress = progress
         self._background = Background()
 
     def start(self, c: ClaimedRun, sent: float) -> None:
@@ -60,6 +63,8 @@ class SlotRunner:
 
     def _vacate(self, slot: Slot) -> None:
         self._slots.vacate(slot)
+        if self._progress is not None:
+            self._progress.ended(slot.claimed.id)
         self._wake()
 
     # -- executing ---------------------------------------------------------------------------
@@ -137,7 +142,8 @@ class SlotRunner:
             run = Run(id=c.id, tenant=c.tenant, handler=c.handler, attempt=c.attempt,
                       input=run_input, pool=self._pool, max_message_bytes=s.max_message_bytes,
                       write_timeout=s.lease_seconds / 2, messages=messages, tool_calls=calls,
-                      control=slot.control)
+                      control=slot.control,
+                      progress=self._progress.offer if self._progress is not None else None)
             if handler.is_async:
                 result = await handler.fn(run)
             else:

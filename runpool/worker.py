@@ -31,6 +31,7 @@ from .exits import EXIT_STUCK
 from .leases import Cadence, LeaseKeeper
 from .listener import ClaimBudget, Listener
 from .outcomes import OutcomeWriter
+from .progress import Publisher
 from .queries import QUERIES
 from .runner import SlotRunner
 from .settings import Settings
@@ -98,13 +99,16 @@ class Worker:
             await self._register()
             self._stop = stop
             writer = OutcomeWriter(self._pool, worker_id=self.id, refill=self)
+            progress = Publisher(self._pool, log=self._log)
             self._runner = SlotRunner(
                 settings=s, app=self.app, pool=self._pool, outcomes=writer, slots=self.slots,
-                log=self._log, wake=self._attention.set, on_stuck=self._exit_stuck)
+                log=self._log, wake=self._attention.set, on_stuck=self._exit_stuck,
+                progress=progress)
             self._leases = LeaseKeeper(
                 settings=s, dsn=self.dsn, worker_id=self.id, pool=self._pool, slots=self.slots,
                 touch=self._touch, on_cancel=self._cancel, on_lost=self._runner.abandon)
             side.append(asyncio.create_task(writer.run(), name="outcomes"))
+            side.append(asyncio.create_task(progress.run(), name="progress"))
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
             if s.listen:

@@ -1,0 +1,320 @@
+"""Live runs: wait for a run's result, or follow its events as they happen.
+
+Both hold no transaction open while they wait: they LISTEN on the run's own channel
+(`runpool_run_<32 hex digits>`, rung with an empty payload by every stored event, by a terminal
+status and by progress) on the caller's connection, read what is new, and wait again; a poll every
+`poll` seconds is the fallback, so a lost notification delays them by at most `poll`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
+
+from .errors import InvalidInput, NotFound, UsageError
+
+__all__ = ["TERMINAL", "RunEvent", "RunResult", "channel", "follow", "wait", "wait_async"]
+
+TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
+# Messages per page of a follower's read (their content may be large); status events and tool
+# calls of a run are few and come whole.
+PAGE: Final = 500
+# The largest `after` accepted (a seq is a bigint).
+MAX_SEQ: Final = 2**62
+
+# The run's status, result and error (no row: no such run, or another tenant's).
+RESULT: Final = """
+SELECT status, result, error FROM runpool.runs
+WHERE id = %(run_id)s AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+"""
+# A follower's read: the run's header (kind 'run': its status and last seq; no row: no such run,
+# or another tenant's), its stored events after seq %(after)s (the 'queued' of seq 1 is the
+# run's creation, not a row), and its current progress (kind 'progress', seq = its version).
+# One statement, one snapshot: the header's last seq covers exactly the events returned.
+EVENTS: Final = """
+WITH run AS (
+    SELECT r.id, r.status, r.attempt, r.event_seq, r.created_at FROM runpool.runs r
+    WHERE r.id = %(run_id)s AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s)
+)
+SELECT 'run' AS kind, run.event_seq AS seq, to_jsonb(run.status) AS data, run.created_at AS at
+FROM run
+UNION ALL
+SELECT 'status', 1, '{"status": "queued", "attempt": 0}'::jsonb, run.created_at
+FROM run WHERE %(after)s < 1
+UNION ALL
+SELECT 'status', s.seq,
+       jsonb_strip_nulls(jsonb_build_object('status', s.status, 'attempt', s.attempt,
+                                            'reason', s.reason)), s.at
+FROM run JOIN runpool.status_events s ON s.run_id = run.id
+WHERE s.seq > %(after)s
+UNION ALL
+(SELECT 'message', m.event_seq, jsonb_build_object('role', m.role, 'content', m.content),
+        m.created_at
+ FROM run JOIN runpool.messages m ON m.run_id = run.id
+ WHERE m.event_seq > %(after)s
+ ORDER BY m.event_seq LIMIT %(page)s)
+UNION ALL
+SELECT 'tool_call', e.seq, e.data, e.at
+FROM run JOIN runpool.tool_calls t ON t.run_id = run.id
+CROSS JOIN LATERAL (VALUES
+    (t.started_seq, jsonb_build_object('call_id', t.call_id, 'name', t.name,
+                                       'status', 'started'), t.started_at),
+    (t.finished_seq, jsonb_build_object('call_id', t.call_id, 'name', t.name,
+                                        'status', t.status, 'result', t.result), t.finished_at)
+) AS e(seq, data, at)
+WHERE coalesce(t.finished_seq, t.started_seq) > %(after)s AND e.seq > %(after)s
+UNION ALL
+SELECT 'progress', p.version, p.data, p.at
+FROM run JOIN runpool.progress p ON p.run_id = run.id AND p.attempt = run.attempt
+WHERE run.status = 'running'
+"""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished run: its terminal status, its result (succeeded) or error (failed,
+    cancelled: {"reason", "message", ...} or None)."""
+
+    id: uuid.UUID
+    status: str
+    result: Any
+    error: Any
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """One event of a run. kind 'status': {"status", "attempt", "reason"?}; 'message':
+    {"role", "content"}; 'tool_call': {"call_id", "name", "status", "result"?}; 'progress':
+    the handler's data, with the seq of the last stored event (not stored itself)."""
+
+    seq: int
+    kind: str
+    data: Any
+    at: datetime
+
+
+def channel(run_id: uuid.UUID) -> str:
+    """The run's doorbell (see migration 0008): its id in the name, never in a payload."""
+    return f"runpool_run_{run_id.hex}"
+
+
+def _run_id(value: Any) -> uuid.UUID:
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str):
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            pass
+    raise InvalidInput(f"run_id must be a UUID, not {value!r:.80}")
+
+
+def _after(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQ:
+        raise InvalidInput(f"after must be an integer seq from 0 to {MAX_SEQ}, not {value!r:.80}")
+    return value
+
+
+def _seconds(value: Any, what: str, *, allow_none: bool, low: float) -> float | None:
+    if value is None and allow_none:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value)
+            or value < low or math.isinf(value)):
+        raise InvalidInput(f"{what} must be a finite number of seconds >= {low:g}, not"
+                           f" {value!r:.80}")
+    return float(value)
+
+
+def _tenant(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidInput("tenant must be a string or None")
+    return value
+
+
+def _idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Waiting inside the caller's transaction would hold it open (and its LISTEN would only
+    take effect at its commit): refused."""
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise UsageError("wait and follow need a connection outside any transaction: they"
+                         " hold none open while they wait (commit or roll back first)")
+
+
+def _listen(run_id: uuid.UUID, on: bool) -> sql.Composed:
+    return sql.SQL("LISTEN {}" if on else "UNLISTEN {}").format(sql.Identifier(channel(run_id)))
+
+
+def _result(run_id: uuid.UUID, row: tuple[Any, ...] | None) -> RunResult | None:
+    if row is None:
+        raise NotFound(f"no run {run_id}")
+    status, result, error = row
+    return RunResult(run_id, status, result, error) if status in TERMINAL else None
+
+
+def _deadline(timeout: float | None) -> float:
+    return math.inf if timeout is None else time.monotonic() + timeout
+
+
+def _nap(run_id: uuid.UUID, deadline: float, poll: float, timeout: float | None) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"run {run_id} did not finish within {timeout:g} s")
+    return min(poll, left)
+
+
+# The contract names `timeout` (the twin of wait()'s); asyncio.timeout around it works too.
+async def wait_async(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str,
+                     timeout: float | None = None, *, poll: float = 1.0,  # noqa: ASYNC109
+                     tenant: str | None = None) -> RunResult:
+    """Wait until the run is terminal and return its RunResult; TimeoutError after `timeout`
+    seconds; NotFound for no such run (or, with `tenant`, another tenant's run). The connection
+    is used for nothing else meanwhile; it is left outside any transaction, as it was."""
+    rid, after_s = _run_id(run_id), _seconds(timeout, "timeout", allow_none=True, low=0)
+    poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
+    assert poll_s is not None
+    tenant = _tenant(tenant)
+    _idle(aconn)
+    deadline = _deadline(after_s)
+    await _aexec(aconn, _listen(rid, True))
+    try:
+        while True:
+            cur = await _aexec(aconn, RESULT, {"run_id": rid, "tenant": tenant})
+            done = _result(rid, await cur.fetchone())
+            if done is not None:
+                return done
+            await _anap(aconn, _nap(rid, deadline, poll_s, after_s))
+    finally:
+        await _aunlisten(aconn, rid)
+
+
+def wait(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, timeout: float | None = None,
+         *, poll: float = 1.0, tenant: str | None = None) -> RunResult:
+    """wait_async() for a blocking connection."""
+    rid, after_s = _run_id(run_id), _seconds(timeout, "timeout", allow_none=True, low=0)
+    poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
+    assert poll_s is not None
+    tenant = _tenant(tenant)
+    _idle(conn)
+    deadline = _deadline(after_s)
+    _exec(conn, _listen(rid, True))
+    try:
+        while True:
+            done = _result(rid, _exec(conn, RESULT, {"run_id": rid, "tenant": tenant}).fetchone())
+            if done is not None:
+                return done
+            for _ in conn.notifies(timeout=_nap(rid, deadline, poll_s, after_s), stop_after=1):
+                pass
+    finally:
+        try:
+            if not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:
+                _exec(conn, _listen(rid, False))
+        except psycopg.Error:
+            pass  # a broken connection listens to nothing any more
+
+
+async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, after: int = 0,
+                 *, poll: float = 1.0, tenant: str | None = None
+                 ) -> AsyncGenerator[RunEvent, None]:
+    """The run's events after seq `after`, as they are committed, then ends once the run is
+    terminal and every stored event was delivered. Stored events (status, message, tool_call)
+    come exactly once each, in commit order, whatever crashes and reclaims happen meanwhile:
+    resume a cut stream with after=<the last seq seen>. Progress events come as they are
+    published, best effort (a follower that reads slower sees only the latest). NotFound for
+    no such run (or, with `tenant`, another tenant's). Use `contextlib.aclosing` to stop early
+    and have the connection UNLISTEN at once."""
+    rid, last = _run_id(run_id), _after(after)
+    poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
+    assert poll_s is not None
+    tenant = _tenant(tenant)
+    _idle(aconn)
+    await _aexec(aconn, _listen(rid, True))
+    try:
+        progress: int | None = None
+        while True:
+            cur = await _aexec(aconn, EVENTS, {"run_id": rid, "tenant": tenant, "after": last,
+                                               "page": PAGE})
+            page = _Page(await cur.fetchall())
+            if page.status is None:
+                raise NotFound(f"no run {rid}")
+            for event in page.events:
+                yield event
+                last = event.seq
+            if page.full:
+                continue  # more messages wait: read on without waiting
+            if page.status in TERMINAL and last >= page.last_seq:
+                return
+            if page.progress is not None and page.progress[0] != progress:
+                progress = page.progress[0]
+                yield RunEvent(last, "progress", page.progress[1], page.progress[2])
+            await _anap(aconn, poll_s)
+    finally:
+        await _aunlisten(aconn, rid)
+
+
+class _Page:
+    """One read of a follower, sorted into its parts."""
+
+    def __init__(self, rows: Iterable[tuple[str, int, Any, datetime]]) -> None:
+        self.status: str | None = None
+        self.last_seq = 0
+        self.progress: tuple[int, Any, datetime] | None = None
+        events: list[RunEvent] = []
+        messages = 0
+        for kind, seq, data, at in rows:
+            if kind == "run":
+                self.status, self.last_seq = data, seq
+            elif kind == "progress":
+                self.progress = (seq, data, at)
+            else:
+                events.append(RunEvent(seq, kind, data, at))
+                messages += kind == "message"
+        events.sort(key=lambda e: e.seq)
+        # A full page of messages: the events past its last message wait for the next read
+        # (one of them may be a message after it that this page did not bring).
+        self.full = messages >= PAGE
+        if self.full:
+            bound = max(e.seq for e in events if e.kind == "message")
+            events = [e for e in events if e.seq <= bound]
+        self.events = events
+
+
+async def _aexec(aconn: psycopg.AsyncConnection[Any], query: Any,
+                 params: dict[str, Any] | None = None) -> psycopg.AsyncCursor[Any]:
+    """One statement, committed at once when the connection is not in autocommit: nothing is
+    held open between reads."""
+    cur = await aconn.cursor(row_factory=tuple_row).execute(query, params)
+    if not aconn.autocommit:
+        await aconn.commit()
+    return cur
+
+
+def _exec(conn: psycopg.Connection[Any], query: Any,
+          params: dict[str, Any] | None = None) -> psycopg.Cursor[Any]:
+    cur = conn.cursor(row_factory=tuple_row).execute(query, params)
+    if not conn.autocommit:
+        conn.commit()
+    return cur
+
+
+async def _anap(aconn: psycopg.AsyncConnection[Any], seconds: float) -> None:
+    """Until a notification of this connection's channels arrives, or `seconds` pass.
+    Notifications that arrived while reading are kept by psycopg and end the wait at once."""
+    async for _ in aconn.notifies(timeout=seconds, stop_after=1):
+        pass
+
+
+async def _aunlisten(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> None:
+    try:
+        if not aconn.closed and aconn.info.transaction_status == TransactionStatus.IDLE:
+            await _aexec(aconn, _listen(run_id, False))
+    except psycopg.Error:
+        pass  # a broken connection listens to nothing any more
