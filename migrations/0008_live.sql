@@ -137,7 +137,7 @@ EXECUTE FUNCTION runpool._tool_call_event();
 -- Publish the latest progress of runs this worker holds (fenced by attempt: a zombie's is
 -- dropped), one statement per flush, ringing each run's doorbell; and forget the progress of
 -- runs that ended. Returns how many were published.
-CREATE FUNCTION runpool.publish_progress(run_ids uuid[], attempts integer[], data jsonb[],
+CREATE FUNCTION runpool.publish_progress(run_ids uuid[], attempts integer[], payloads jsonb[],
                                          ended uuid[] DEFAULT '{}')
 RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
@@ -148,16 +148,16 @@ BEGIN
     DELETE FROM runpool.progress p WHERE p.run_id = ANY(publish_progress.ended);
     WITH given AS (
         SELECT * FROM unnest(publish_progress.run_ids, publish_progress.attempts,
-                             publish_progress.data) AS g(run_id, attempt, data)
+                             publish_progress.payloads) AS g(run_id, attempt, payload)
     ),
     held AS (
-        SELECT g.run_id, g.attempt, g.data FROM given g
+        SELECT g.run_id, g.attempt, g.payload FROM given g
         JOIN runpool.runs r ON r.id = g.run_id AND r.attempt = g.attempt
         WHERE r.status = 'running'
     ),
     up AS (
         INSERT INTO runpool.progress AS p (run_id, attempt, data)
-        SELECT run_id, attempt, data FROM held
+        SELECT h.run_id, h.attempt, h.payload FROM held h
         ON CONFLICT (run_id) DO UPDATE
             SET attempt = excluded.attempt, data = excluded.data, version = p.version + 1,
                 at = now()

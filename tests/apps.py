@@ -224,3 +224,41 @@ async def plain_tool(run: runpool.Run) -> Any:
 async def input_types(run: runpool.Run) -> Any:
     """Each input value's Python type and exact text (a >64-bit int cannot be returned as is)."""
     return {key: [type(value).__name__, str(value)] for key, value in run.input.items()}
+
+
+# -- live runs --------------------------------------------------------------------------------
+
+@app.handler("chatty")
+async def chatty(run: runpool.Run) -> Any:
+    """`steps` messages and tool calls, `gap` seconds apart; `progress` progress events per step;
+    whether an oversized progress was refused (it must be, at once, with nothing sent)."""
+    steps, gap = int(run.input.get("steps", 3)), float(run.input.get("gap", 0))
+    for i in range(steps):
+        if f"c{i}" in run.tool_calls and run.tool_calls[f"c{i}"].committed:
+            continue
+        await run.add_message("assistant", {"step": i, "run": str(run.id)})
+        for p in range(int(run.input.get("progress", 0))):
+            await run.progress({"step": i, "token": p})
+        await run.tool(f"c{i}", "echo", {"i": i}, _echo)
+        await asyncio.sleep(gap)
+    try:
+        await run.progress({"blob": "x" * 9000})
+        refused = None
+    except runpool.InvalidInput as exc:
+        refused = str(exc)
+    return {"steps": steps, "refused": refused}
+
+
+async def _echo(arguments: Any, key: str) -> Any:
+    return arguments
+
+
+@app.handler("chatty_sync")
+def chatty_sync(run: runpool.Run) -> Any:
+    """A plain handler's progress (progress_sync), while it waits to be told to stop."""
+    for i in range(int(run.input.get("ticks", 3000))):
+        run.progress_sync({"tick": i})
+        if run.cancelled:
+            break
+        time.sleep(0.01)
+    return "done"
