@@ -13,7 +13,6 @@ import uuid
 from contextlib import aclosing
 from typing import Any
 
-import psycopg
 import pytest
 
 import runpool
