@@ -8,6 +8,7 @@ status and by progress) on the caller's connection, read what is new, and wait a
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -174,30 +175,33 @@ def _nap(run_id: uuid.UUID, deadline: float, poll: float, timeout: float | None)
 # The contract names `timeout` (the twin of wait()'s); asyncio.timeout around it works too.
 async def wait_async(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str,
                      timeout: float | None = None, *, poll: float = 1.0,  # noqa: ASYNC109
-                     tenant: str | None = None) -> RunResult:
+                     tenant: str | None = None, listen: bool = True) -> RunResult:
     """Wait until the run is terminal and return its RunResult; TimeoutError after `timeout`
     seconds; NotFound for no such run (or, with `tenant`, another tenant's run). The connection
-    is used for nothing else meanwhile; it is left outside any transaction, as it was."""
+    is used for nothing else meanwhile; it is left outside any transaction, as it was.
+    listen=False polls only (a transaction-mode pooler, where LISTEN cannot work)."""
     rid, after_s = _run_id(run_id), _seconds(timeout, "timeout", allow_none=True, low=0)
     poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
     assert poll_s is not None
     tenant = _tenant(tenant)
     _idle(aconn)
     deadline = _deadline(after_s)
-    await _aexec(aconn, _listen(rid, True))
+    if listen:
+        await _aexec(aconn, _listen(rid, True))
     try:
         while True:
             cur = await _aexec(aconn, RESULT, {"run_id": rid, "tenant": tenant})
             done = _result(rid, await cur.fetchone())
             if done is not None:
                 return done
-            await _anap(aconn, _nap(rid, deadline, poll_s, after_s))
+            await _anap(aconn, _nap(rid, deadline, poll_s, after_s), listen)
     finally:
-        await _aunlisten(aconn, rid)
+        if listen:
+            await _aunlisten(aconn, rid)
 
 
 def wait(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, timeout: float | None = None,
-         *, poll: float = 1.0, tenant: str | None = None) -> RunResult:
+         *, poll: float = 1.0, tenant: str | None = None, listen: bool = True) -> RunResult:
     """wait_async() for a blocking connection."""
     rid, after_s = _run_id(run_id), _seconds(timeout, "timeout", allow_none=True, low=0)
     poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
@@ -205,24 +209,30 @@ def wait(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, timeout: float 
     tenant = _tenant(tenant)
     _idle(conn)
     deadline = _deadline(after_s)
-    _exec(conn, _listen(rid, True))
+    if listen:
+        _exec(conn, _listen(rid, True))
     try:
         while True:
             done = _result(rid, _exec(conn, RESULT, {"run_id": rid, "tenant": tenant}).fetchone())
             if done is not None:
                 return done
-            for _ in conn.notifies(timeout=_nap(rid, deadline, poll_s, after_s), stop_after=1):
-                pass
+            nap = _nap(rid, deadline, poll_s, after_s)
+            if listen:
+                for _ in conn.notifies(timeout=nap, stop_after=1):
+                    pass
+            else:
+                time.sleep(nap)
     finally:
         try:
-            if not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:
+            if (listen and not conn.closed
+                    and conn.info.transaction_status == TransactionStatus.IDLE):
                 _exec(conn, _listen(rid, False))
         except psycopg.Error:
             pass  # a broken connection listens to nothing any more
 
 
 async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, after: int = 0,
-                 *, poll: float = 1.0, tenant: str | None = None
+                 *, poll: float = 1.0, tenant: str | None = None, listen: bool = True
                  ) -> AsyncGenerator[RunEvent, None]:
     """The run's events after seq `after`, as they are committed, then ends once the run is
     terminal and every stored event was delivered. Stored events (status, message, tool_call)
@@ -230,13 +240,14 @@ async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, a
     resume a cut stream with after=<the last seq seen>. Progress events come as they are
     published, best effort (a follower that reads slower sees only the latest). NotFound for
     no such run (or, with `tenant`, another tenant's). Use `contextlib.aclosing` to stop early
-    and have the connection UNLISTEN at once."""
+    and have the connection UNLISTEN at once. listen=False polls only."""
     rid, last = _run_id(run_id), _after(after)
     poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
     assert poll_s is not None
     tenant = _tenant(tenant)
     _idle(aconn)
-    await _aexec(aconn, _listen(rid, True))
+    if listen:
+        await _aexec(aconn, _listen(rid, True))
     try:
         progress: int | None = None
         while True:
@@ -255,9 +266,10 @@ async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, a
             if page.progress is not None and page.progress[0] != progress:
                 progress = page.progress[0]
                 yield RunEvent(last, "progress", page.progress[1], page.progress[2])
-            await _anap(aconn, poll_s)
+            await _anap(aconn, poll_s, listen)
     finally:
-        await _aunlisten(aconn, rid)
+        if listen:
+            await _aunlisten(aconn, rid)
 
 
 class _Page:
@@ -305,9 +317,12 @@ def _exec(conn: psycopg.Connection[Any], query: Any,
     return cur
 
 
-async def _anap(aconn: psycopg.AsyncConnection[Any], seconds: float) -> None:
+async def _anap(aconn: psycopg.AsyncConnection[Any], seconds: float, listen: bool) -> None:
     """Until a notification of this connection's channels arrives, or `seconds` pass.
     Notifications that arrived while reading are kept by psycopg and end the wait at once."""
+    if not listen:
+        await asyncio.sleep(seconds)
+        return
     async for _ in aconn.notifies(timeout=seconds, stop_after=1):
         pass
 

@@ -1,4 +1,5 @@
-"""The handlers the benchmark workloads run (`runpool.harness.benchapp:app`)."""
+"""The handlers the benchmark workloads run (`runpool.harness.benchapp:app`, and W13's
+progress emitters: `runpool.harness.benchapp:progress_app`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from ..app import App
 from ..context import Run
 
-__all__ = ["app"]
+__all__ = ["app", "progress_app"]
 
 app = App()
 
@@ -64,4 +65,30 @@ async def await_cancel(run: Run) -> Any:
     except asyncio.CancelledError:
         await run.add_message("system", {"seen": time.time()})
         raise
+    return None
+
+
+@app.handler("beat")
+async def beat(run: Run) -> Any:
+    """W12: `messages` messages, `gap` seconds apart (a follower measures each one's delay)."""
+    for i in range(int(run.input["messages"])):
+        await run.add_message("assistant", {"i": i})
+        await asyncio.sleep(float(run.input["gap"]))
+    return None
+
+
+# W13's progress emitters run on a pool of their own (this app), so the W1 pool never claims them.
+progress_app = App()
+
+
+@progress_app.handler("emit")
+async def emit(run: Run) -> Any:
+    """W13: `rate` progress events a second (0: none) for `seconds`."""
+    rate, until = float(run.input["rate"]), time.monotonic() + float(run.input["seconds"])
+    i = 0
+    while time.monotonic() < until:
+        if rate:
+            await run.progress({"token": i, "text": "lorem ipsum " * 4})
+        i += 1
+        await asyncio.sleep(1 / rate if rate else 0.05)
     return None

@@ -1,4 +1,4 @@
-"""The benchmark workloads (W1-W10); `python -m runpool bench` runs them."""
+"""The benchmark workloads (W1-W13); `python -m runpool bench` runs them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..db import connect
 from ..enqueue import RunSpec, enqueue, enqueue_many
 from ..testing.databases import scratch_database
 from ..testing.pools import PoolProcess, running_pool
+from .live_workloads import w12_follow_latency, w13_progress_cost
 from .measure import (
     CLEAR_SNAPSHOT,
     COUNT_DONE,
@@ -355,4 +356,6 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W8": w8_resume_cost,
     "W9": w9_cancel_latency,
     "W10": w10_serial_keys,
+    "W12": w12_follow_latency,
+    "W13": w13_progress_cost,
 }
