@@ -70,9 +70,12 @@ async def await_cancel(run: Run) -> Any:
 
 @app.handler("beat")
 async def beat(run: Run) -> Any:
-    """W12: `messages` messages, `gap` seconds apart (a follower measures each one's delay)."""
-    for i in range(int(run.input["messages"])):
-        await run.add_message("assistant", {"i": i})
+    """W12: `messages` messages, `gap` seconds apart; each says when the one before it was
+    committed (the commit acknowledged here), so a follower can tell each one's delay."""
+    committed = None
+    for i in range(int(run.input["messages"]) + 1):
+        await run.add_message("assistant", {"i": i, "previous_committed": committed})
+        committed = time.time()
         await asyncio.sleep(float(run.input["gap"]))
     return None
 

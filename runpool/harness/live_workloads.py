@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 import uuid
@@ -24,10 +25,15 @@ def _pool(dsn: str, app: str, **settings: Any) -> AbstractContextManager[PoolPro
                         **settings)
 
 
-# When each waited run committed its end (finished_at: its transaction's start, a hair early,
-# so the latency reported is a hair pessimistic).
-FINISHED_AT: Final = ("SELECT id, extract(epoch FROM finished_at) FROM runpool.runs"
-                      " WHERE id = ANY(%s)")
+# When each waited run committed its end: the commit's timestamp where the server tracks them
+# (track_commit_timestamp = on; nothing writes a run's row after its end), else finished_at (its
+# transaction's start: the latency reported then includes that transaction and its commit).
+FINISHED_AT: Final = """
+SELECT id, extract(epoch FROM CASE WHEN current_setting('track_commit_timestamp') = 'on'
+                                   THEN pg_xact_commit_timestamp(xmin) ELSE finished_at END)
+FROM runpool.runs WHERE id = ANY(%s)
+"""
+COMMIT_TIMES: Final = "SELECT current_setting('track_commit_timestamp')"
 RUNNING_EMITTERS: Final = ("SELECT count(*) FROM runpool.runs"
                            " WHERE handler = 'emit' AND status = 'running'")
 PUBLISHED: Final = "SELECT coalesce(sum(version), 0) FROM runpool.progress"
@@ -36,14 +42,21 @@ PUBLISHED: Final = "SELECT coalesce(sum(version), 0) FROM runpool.progress"
 async def _follow_delays(dsn: str, run_ids: list[uuid.UUID], *, listen: bool = True,
                          poll: float = 1.0) -> list[float]:
     """One follower (its own connection) per run; each message's delay in ms from its commit
-    (created_at, the transaction's start) to its delivery."""
+    (acknowledged to the handler) to its delivery, once the follower has caught up."""
     async def one(run_id: uuid.UUID) -> list[float]:
-        delays = []
+        received: dict[int, float] = {}
+        committed: dict[int, float] = {}
+        live_since = math.inf
         async with await aconnect(dsn, autocommit=True) as aconn:
             async for event in follow(aconn, run_id, listen=listen, poll=poll):
+                live_since = min(live_since, time.time())
                 if event.kind == "message":
-                    delays.append((time.time() - event.at.timestamp()) * 1000)
-        return delays
+                    i, previous = event.data["content"]["i"], event.data["content"][
+                        "previous_committed"]
+                    received[i] = time.time()
+                    if previous is not None:
+                        committed[i - 1] = previous
+        return [(received[i] - at) * 1000 for i, at in committed.items() if at > live_since]
 
     per_run = await asyncio.gather(*(one(r) for r in run_ids))
     return [d for delays in per_run for d in delays]
@@ -91,7 +104,9 @@ def w12_follow_latency(server: str, *, runs: int = 100, messages: int = 20, gap:
             sleeps = enqueue_many(conn, [RunSpec("bench", "sleep", {"seconds": 0.5 + i / 7})
                                          for i in range(unheard)])
             polled_wait = asyncio.run(_wait_delays(dsn, sleeps, listen=False))
+        clock = "commit" if conn.execute(COMMIT_TIMES).fetchone() == ("on",) else "finished_at"
     return {"workload": "W12", "followers": runs, **_summary("follow", followed),
+            "wait_from": clock,
             **_summary("wait", waited), "no_listen_poll_s": 1.0,
             "no_listen_follow_max_ms": round(max(polled), 1),
             "no_listen_wait_max_ms": round(max(polled_wait), 1)}
