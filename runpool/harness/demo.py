@@ -1,12 +1,15 @@
 """`python -m runpool demo`: the sample agent on a real pool, across tenants and priorities —
-with a worker killed mid-run (the run resumes from its checkpoints) and a run cancelled."""
+one run followed live (runpool.follow), a worker killed mid-run (the run resumes from its
+checkpoints) and a run cancelled."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
 import sys
+import threading
 import time
 import uuid
 from typing import Any, Final
@@ -15,10 +18,12 @@ import psycopg
 
 from ..app import App
 from ..context import Run
-from ..db import connect
+from ..db import aconnect, connect
 from ..embedded import resolve_dsn
 from ..enqueue import RunSpec, enqueue_many
 from ..errors import Fail
+from ..live import follow
+from ..live_cli import render_event
 from ..migrate import migrate
 from ..settings import Settings
 from ..status import STATUSES
@@ -95,6 +100,7 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
         ids = enqueue_many(conn, _specs(runs))
         print(f"enqueued {len(ids)} runs for tenants {', '.join(TENANTS)}"
               " (quotas: acme 3, globex 2, initech unlimited)")
+        followed = _follow_one(dsn, conn, ids)
         killed: tuple[uuid.UUID, int] | None = None
         cancelled: uuid.UUID | None = None
         unserved: list[uuid.UUID] = []
@@ -118,6 +124,8 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
                     unserved = _cancel_unserved(conn, ids)
                 time.sleep(0.5)
             print()
+            if followed is not None:
+                followed.join(timeout=30)
         _summary(conn, ids, killed, cancelled)
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         _say("traces were exported to " + os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
@@ -126,6 +134,28 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
     print("\nthe pool drained and stopped; runs stay in the database for inspection"
           " (python -m runpool status, python -m runpool runs RUN_ID).", file=sys.stderr)
     return 0
+
+
+def _follow_one(dsn: str, conn: psycopg.Connection[Any], ids: list[uuid.UUID]
+                ) -> threading.Thread | None:
+    """Follow the first agent run live, as an API's client would (an SSE stream, say): its
+    status changes, messages, tool calls and progress, printed as they are committed."""
+    row = conn.execute("SELECT id FROM runpool.runs WHERE id = ANY(%s) AND handler ="
+                       " 'research' ORDER BY priority DESC, created_at LIMIT 1", (ids,)).fetchone()
+    if row is None:
+        return None
+    run_id = uuid.UUID(str(row[0]))
+
+    async def watch() -> None:
+        async with await aconnect(dsn, autocommit=True) as aconn:
+            async for event in follow(aconn, run_id):
+                print(f"    live {str(run_id)[:8]} {render_event(event)}"[:160], flush=True)
+
+    _say(f"following run {run_id} live: async for event in runpool.follow(aconn, run_id)")
+    thread = threading.Thread(target=asyncio.run, args=(watch(),), name="runpool-demo-follow",
+                              daemon=True)
+    thread.start()
+    return thread
 
 
 def _progress(conn: psycopg.Connection[Any], ids: list[uuid.UUID]) -> dict[str, dict[str, int]]:

@@ -49,8 +49,12 @@ class ScriptedModel:
         self.searches = searches
         self.think_seconds = think_seconds
 
-    async def next_turn(self, turn: int) -> dict[str, Any]:
-        await asyncio.sleep(self.think_seconds)  # the model thinking (and being paid for)
+    async def next_turn(self, turn: int, run: Run | None = None) -> dict[str, Any]:
+        # The model thinking (and being paid for), streaming its tokens to whoever follows.
+        for words in range(1, 4):
+            await asyncio.sleep(self.think_seconds / 3)
+            if run is not None:
+                await run.progress({"turn": turn, "text": " ".join(["thinking"] * words)})
         if turn < self.searches:
             return {"tool": "search", "call_id": f"search-{turn}",
                     "arguments": {"q": f"{self.topic} part {turn}"}}
@@ -87,7 +91,7 @@ async def research(run: Run) -> Any:
         step = committed[turn] if turn < len(committed) else None
         if step is None:
             with run.model_call("scripted-model"):
-                step = await model.next_turn(turn)
+                step = await model.next_turn(turn, run)
             await run.add_message("assistant", step)
         if "answer" in step:
             return {"answer": step["answer"], "turns": turn + 1}
