@@ -356,7 +356,9 @@ class Run:
         waits, never fails the run once `data` is valid; InvalidInput (nothing sent) for data
         that is not JSON or over progress.MAX_PROGRESS_BYTES."""
         encoded = encode_progress(data)
-        if self._progress is not None and not self._control.lost:
+        if self._progress is None:
+            raise UsageError("this Run is not attached to a pool: nothing would hear its progress")
+        if not self._control.lost:  # a zombie's progress would be dropped by the database anyway
             self._progress(self.id, self.attempt, encoded)
 
     def model_call(self, model: str) -> AbstractContextManager[Any]:

@@ -352,3 +352,36 @@ def test_cli_wait_exit_codes_and_runs_follow(dsn: str) -> None:
     assert lines[-1]["data"]["status"] == "succeeded"
     text = _cli(dsn, "runs", str(ok), "--follow")
     assert text.returncode == 0 and "echo c1 succeeded" in text.stdout
+
+
+def test_progress__fenced_by_attempt_and_bounded_in_size(dsn: str) -> None:
+    """A zombie attempt's progress is dropped by the database; a detached Run refuses progress;
+    data over 8,000 bytes or not JSON is refused before anything is sent."""
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "noop")
+        conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 2,"
+                     " lease_expires_at = now() + interval '1 minute' WHERE id = %s", (run_id,))
+        publish = ("SELECT runpool.publish_progress(ARRAY[%s]::uuid[], ARRAY[%s],"
+                   " ARRAY[%s::jsonb])")
+        assert conn.execute(publish, (run_id, 1, '{"zombie": true}')).fetchone() == (0,)
+        assert conn.execute(publish, (run_id, 2, '{"live": true}')).fetchone() == (1,)
+        assert conn.execute(publish, (run_id, 2, '{"live": 2}')).fetchone() == (1,)
+        assert list(conn.execute("SELECT attempt, version, data FROM runpool.progress")) == [
+            (2, 2, {"live": 2})]
+
+    async def main() -> None:
+        detached = runpool.Run(id=uuid.uuid4(), tenant="acme", handler="noop", attempt=1,
+                               input={})
+        with pytest.raises(runpool.UsageError, match="not attached"):
+            await detached.progress({"x": 1})
+        sent: list[bytes] = []
+        attached = runpool.Run(id=uuid.uuid4(), tenant="acme", handler="noop", attempt=1,
+                               input={}, progress=lambda _id, _attempt, data: sent.append(data))
+        with pytest.raises(runpool.InvalidInput, match="8000"):
+            await attached.progress("x" * 8_000)
+        with pytest.raises(runpool.InvalidInput, match="JSON"):
+            await attached.progress({"bad": object()})
+        await attached.progress("x" * 7_990)
+        assert [len(d) for d in sent] == [7_992]
+
+    asyncio.run(main())
