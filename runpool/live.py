@@ -174,8 +174,8 @@ def _nap(run_id: uuid.UUID, deadline: float, poll: float, timeout: float | None)
 
 # The contract names `timeout` (the twin of wait()'s); asyncio.timeout around it works too.
 async def wait_async(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str,
-                     timeout: float | None = None, *, poll: float = 1.0,  # noqa: ASYNC109
-                     tenant: str | None = None, listen: bool = True) -> RunResult:
+                     timeout: float | None = None, poll: float = 1.0,  # noqa: ASYNC109
+                     *, tenant: str | None = None, listen: bool = True) -> RunResult:
     """Wait until the run is terminal and return its RunResult; TimeoutError after `timeout`
     seconds; NotFound for no such run (or, with `tenant`, another tenant's run). The connection
     is used for nothing else meanwhile; it is left outside any transaction, as it was.
@@ -201,7 +201,7 @@ async def wait_async(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | st
 
 
 def wait(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, timeout: float | None = None,
-         *, poll: float = 1.0, tenant: str | None = None, listen: bool = True) -> RunResult:
+         poll: float = 1.0, *, tenant: str | None = None, listen: bool = True) -> RunResult:
     """wait_async() for a blocking connection."""
     rid, after_s = _run_id(run_id), _seconds(timeout, "timeout", allow_none=True, low=0)
     poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)

@@ -385,3 +385,36 @@ def test_progress__fenced_by_attempt_and_bounded_in_size(dsn: str) -> None:
         assert [len(d) for d in sent] == [7_992]
 
     asyncio.run(main())
+
+
+def test_follow__a_long_history_comes_in_pages_in_order_nothing_missed(dsn: str) -> None:
+    """1,200 messages with a tool call started and closed among every ten: more than a page
+    of messages (live.PAGE) per read, and tool-call events on either side of each page's end."""
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "noop")
+        conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                     " lease_expires_at = now() + interval '1 minute' WHERE id = %s", (run_id,))
+        with conn.transaction():
+            for i in range(1, 1201):
+                conn.execute("INSERT INTO runpool.messages (run_id, seq, role, content, attempt)"
+                             " VALUES (%s, %s, 'assistant', %s, 1)", (run_id, i, str(i)))
+                if i % 10 == 0:
+                    conn.execute("INSERT INTO runpool.tool_calls (run_id, call_id, name,"
+                                 " arguments, status, attempt) VALUES (%s, %s, 'n', '{}',"
+                                 " 'started', 1)", (run_id, f"c{i}"))
+                if i % 10 == 5 and i > 10:
+                    conn.execute("UPDATE runpool.tool_calls SET status = 'succeeded',"
+                                 " result = '1', finished_at = now() WHERE run_id = %s"
+                                 " AND call_id = %s", (run_id, f"c{i - 5}"))
+        conn.execute("UPDATE runpool.runs SET status = 'succeeded', finished_at = now(),"
+                     " lease_expires_at = NULL WHERE id = %s", (run_id,))
+        last = conn.execute("SELECT event_seq FROM runpool.runs WHERE id = %s",
+                            (run_id,)).fetchone()
+        assert last is not None
+    got = asyncio.run(_collect(dsn, run_id))
+    _check_stream(got)
+    assert [e.seq for e in got] == list(range(1, last[0] + 1))  # every one, none twice
+    assert [e.data["content"] for e in got if e.kind == "message"] == list(range(1, 1201))
+    assert len([e for e in got if e.kind == "tool_call"]) == 120 + 119
+    # Resumed from the middle of a page: exactly the rest.
+    assert asyncio.run(_collect(dsn, run_id, after=777)) == [e for e in got if e.seq > 777]
