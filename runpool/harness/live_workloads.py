@@ -95,7 +95,9 @@ def w12_follow_latency(server: str, *, runs: int = 100, messages: int = 20, gap:
             beats = enqueue_many(conn, [RunSpec("bench", "beat", {"messages": messages,
                                                                   "gap": gap})] * runs)
             followed = asyncio.run(_follow_delays(dsn, beats))
-            sleeps = enqueue_many(conn, [RunSpec("bench", "sleep", {"seconds": 0.5 + i % 10 / 7})
+            # Ends 20 ms apart: one waiter woken at a time, as in a service whose clients
+            # each wait for their own run (not a batch of waiters in one process at once).
+            sleeps = enqueue_many(conn, [RunSpec("bench", "sleep", {"seconds": 0.5 + i / 50})
                                          for i in range(runs)])
             waited = asyncio.run(_wait_delays(dsn, sleeps))
             beats = enqueue_many(conn, [RunSpec("bench", "beat", {"messages": 5, "gap": 0.7})]
