@@ -105,7 +105,7 @@ class RunEvent:
 
 
 def channel(run_id: uuid.UUID) -> str:
-    """The run's doorbell (see migration 0008): its id in the name, never in a payload."""
+    """The run's doorbell (see migration 0009): its id in the name, never in a payload."""
     return f"runpool_run_{run_id.hex}"
 
 

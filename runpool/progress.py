@@ -31,7 +31,7 @@ MAX_PROGRESS_BYTES: Final = 8000
 # A publication that takes longer is abandoned (the next one carries the newer values).
 WRITE_SECONDS: Final = 5.0
 
-# Publish the latest progress of held runs and forget that of ended runs (see 0008).
+# Publish the latest progress of held runs and forget that of ended runs (see 0009).
 PUBLISH: Final = ("SELECT runpool.publish_progress(%(ids)s::uuid[], %(attempts)s::integer[],"
                   " %(data)s::jsonb[], %(ended)s::uuid[])")
 

@@ -1,4 +1,4 @@
--- 0008_live: live runs. Every stored event of a run (status change, message, tool call start
+-- 0009_live: live runs. Every stored event of a run (status change, message, tool call start
 -- and commit) gets a per-run, strictly increasing seq in commit order, and rings the run's own
 -- doorbell; progress events (not stored) live in an unlogged table, latest value per run.
 --
