@@ -1,8 +1,9 @@
 """`python -m runpool`: run the pool (`worker`, the default command), or one of its other
 subcommands. Every settings flag has a RUNPOOL_* twin.
 
-Exit codes: 0 ok, 1 not found or failed, 2 invalid input, 78 cannot run here as configured
-(the app cannot be loaded, or a worker found the schema out of date).
+Exit codes: 0 ok, 1 not found or failed (`wait`: the run failed or was cancelled), 2 invalid
+input, 3 `wait` timed out, 78 cannot run here as configured (the app cannot be loaded, or a
+worker found the schema out of date).
 """
 
 from __future__ import annotations
