@@ -418,3 +418,38 @@ def test_follow__a_long_history_comes_in_pages_in_order_nothing_missed(dsn: str)
     assert len([e for e in got if e.kind == "tool_call"]) == 120 + 119
     # Resumed from the middle of a page: exactly the rest.
     assert asyncio.run(_collect(dsn, run_id, after=777)) == [e for e in got if e.seq > 777]
+
+
+def test_upgrade__runs_from_before_0009_can_be_waited_for_and_followed(empty_dsn: str) -> None:
+    """A database at 0008 with finished, running and queued runs: after 0009 each run replays
+    its status as of the upgrade, a finished one's follow ends, and new events number on."""
+    from runpool.migrate import BOOTSTRAP, RECORD, migrate, migrations
+
+    with connect(empty_dsn, autocommit=True) as conn:
+        with conn.transaction():
+            conn.execute(BOOTSTRAP)
+            for m in migrations():
+                if m.version < 9:
+                    conn.execute(m.sql)
+                    conn.execute(RECORD, (m.version, m.name))
+        done, running, queued = (enqueue(conn, "acme", "noop") for _ in range(3))
+        conn.execute("UPDATE runpool.runs SET status = 'succeeded', attempt = 1, result = '7',"
+                     " finished_at = now() WHERE id = %s", (done,))
+        conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                     " lease_expires_at = now() + interval '1 minute' WHERE id = %s",
+                     (running,))
+        assert [m.version for m in migrate(conn)] == [9]
+        assert runpool.wait(conn, done, timeout=5).result == 7
+        conn.execute("UPDATE runpool.runs SET status = 'failed', finished_at = now(),"
+                     " lease_expires_at = NULL WHERE id = %s", (running,))
+    replays = {r: asyncio.run(_collect(empty_dsn, r)) for r in (done, running)}
+    assert [(e.seq, e.data["status"]) for e in replays[done]] == [(1, "queued"), (2, "succeeded")]
+    assert [(e.seq, e.data["status"]) for e in replays[running]] == [
+        (1, "queued"), (2, "running"), (3, "failed")]
+
+    async def pending() -> list[runpool.RunEvent]:
+        async with await aconnect(empty_dsn, autocommit=True) as aconn:
+            stream = runpool.follow(aconn, queued)
+            return [await anext(stream)]
+
+    assert [(e.seq, e.data["status"]) for e in asyncio.run(pending())] == [(1, "queued")]
