@@ -13,6 +13,7 @@ import uuid
 from contextlib import aclosing
 from typing import Any
 
+import psycopg
 import pytest
 
 import runpool
@@ -453,3 +454,34 @@ def test_upgrade__runs_from_before_0009_can_be_waited_for_and_followed(empty_dsn
             return [await anext(stream)]
 
     assert [(e.seq, e.data["status"]) for e in asyncio.run(pending())] == [(1, "queued")]
+
+
+def test_follow__a_killed_connection_raises_and_the_follower_resumes_where_it_was(
+        dsn: str) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "noop")
+        conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                     " lease_expires_at = now() + interval '1 minute' WHERE id = %s", (run_id,))
+
+        async def main() -> list[runpool.RunEvent]:
+            seen: list[runpool.RunEvent] = []
+            async with await aconnect(dsn, autocommit=True) as aconn:
+                pid = aconn.info.backend_pid
+                with pytest.raises(psycopg.OperationalError):
+                    async for event in runpool.follow(aconn, run_id):
+                        seen.append(event)
+                        if event.seq == 2:
+                            # The server ends the follower's session (a restart, a failover,
+                            # an operator): the stream fails instead of hanging.
+                            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                            conn.execute("INSERT INTO runpool.messages (run_id, seq, role,"
+                                         " content, attempt) VALUES (%s, 1, 'assistant',"
+                                         " '\"missed?\"', 1)", (run_id,))
+                            conn.execute("UPDATE runpool.runs SET status = 'succeeded',"
+                                         " finished_at = now(), lease_expires_at = NULL"
+                                         " WHERE id = %s", (run_id,))
+            return seen + await _collect(dsn, run_id, after=seen[-1].seq)
+
+        got = asyncio.run(asyncio.wait_for(main(), 20))
+    assert [(e.seq, e.kind) for e in got] == [
+        (1, "status"), (2, "status"), (3, "message"), (4, "status")]
