@@ -9,10 +9,11 @@
 -- can redirect them.
 
 -- The attempts a run has used of its max_attempts: attempts released by a draining worker
--- and everything before a retry_run (attempt_offset) do not count.
-CREATE FUNCTION runpool.attempts_used(r runpool.runs) RETURNS integer
+-- and everything before a retry_run (attempt_offset) do not count. Columns, not the row: a
+-- SQL-standard body taking runs' row type would pin it (no column could be added to runs).
+CREATE FUNCTION runpool.attempts_used(attempt integer, attempt_offset integer) RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-RETURN r.attempt - r.attempt_offset;
+RETURN attempt - attempt_offset;
 
 -- A run's place in the queue: its arrival in epoch seconds, earlier by aging_seconds per
 -- priority point (claiming by ascending rank is priority order with linear aging).
@@ -492,7 +493,7 @@ BEGIN
     doc := jsonb_build_object(
         'run_id', run.id, 'tenant', run.tenant, 'handler', run.handler, 'status', run.status,
         'priority', run.priority, 'attempt', run.attempt, 'max_attempts', run.max_attempts,
-        'attempts_left', run.max_attempts - runpool.attempts_used(run),
+        'attempts_left', run.max_attempts - runpool.attempts_used(run.attempt, run.attempt_offset),
         'created_at', run.created_at, 'serial_key', run.serial_key);
     IF run.status = 'running' THEN
         RETURN doc || jsonb_build_object(
@@ -666,7 +667,7 @@ $$;
 -- functions are neither SECURITY DEFINER nor SET: either would stop the planner inlining
 -- them, and they act with no rights of their own (pure expressions).
 REVOKE ALL ON FUNCTION
-    runpool.attempts_used(runpool.runs),
+    runpool.attempts_used(integer, integer),
     runpool.rank(timestamptz, integer, double precision),
     runpool.serial_key_lock(text, text),
     runpool.serial_commit_lock(text, text),
@@ -674,7 +675,7 @@ REVOKE ALL ON FUNCTION
     runpool._run_of_tenant(uuid, text)
 FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
-    runpool.attempts_used(runpool.runs),
+    runpool.attempts_used(integer, integer),
     runpool.rank(timestamptz, integer, double precision),
     runpool.serial_key_lock(text, text),
     runpool.serial_commit_lock(text, text),

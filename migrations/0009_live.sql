@@ -10,18 +10,7 @@
 
 -- The run's last event seq. 1 is its 'queued' status at enqueue (not stored as a row: read
 -- from created_at), so an enqueue writes nothing more than before.
--- attempts_used (0008) takes the run row as its argument, and a SQL-standard body pins the row
--- type: the table cannot gain a column while it exists. Dropped and created again, the same
--- definition and rights, in this one transaction (a future column needs the same dance).
-DROP FUNCTION runpool.attempts_used(runpool.runs);
 ALTER TABLE runpool.runs ADD COLUMN event_seq bigint NOT NULL DEFAULT 1;
--- The attempts a run has used of its max_attempts: attempts released by a draining worker
--- and everything before a retry_run (attempt_offset) do not count.
-CREATE FUNCTION runpool.attempts_used(r runpool.runs) RETURNS integer
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-RETURN r.attempt - r.attempt_offset;
-REVOKE ALL ON FUNCTION runpool.attempts_used(runpool.runs) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION runpool.attempts_used(runpool.runs) TO runpool_api, runpool_worker;
 ALTER TABLE runpool.messages ADD COLUMN event_seq bigint;
 ALTER TABLE runpool.tool_calls ADD COLUMN started_seq bigint, ADD COLUMN finished_seq bigint;
 -- A follower reads the events after its seq: an index range, not the whole conversation.

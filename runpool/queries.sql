@@ -14,16 +14,17 @@ reaped AS (
     UPDATE runpool.runs r SET
         status = CASE
             WHEN r.cancel_requested_at IS NOT NULL THEN 'cancelled'
-            WHEN runpool.attempts_used(r) >= r.max_attempts THEN 'failed'
+            WHEN runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts THEN 'failed'
             ELSE 'queued' END,
         error = CASE
-            WHEN r.cancel_requested_at IS NULL AND runpool.attempts_used(r) >= r.max_attempts
+            WHEN r.cancel_requested_at IS NULL
+             AND runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts
             THEN jsonb_build_object('reason', 'lease_expired',
                                     'message', 'lease expired on the last allowed attempt')
             ELSE r.error END,
         finished_at = CASE
             WHEN r.cancel_requested_at IS NOT NULL
-              OR runpool.attempts_used(r) >= r.max_attempts THEN now() END,
+              OR runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts THEN now() END,
         lease_expires_at = NULL,
         available_at = now(),
         deferred = false
@@ -161,7 +162,8 @@ claimed AS (
         started_at = now()
     FROM locked
     WHERE r.id = locked.id
-    RETURNING r.id, r.tenant, r.handler, r.attempt, runpool.attempts_used(r) AS attempts_used,
+    RETURNING r.id, r.tenant, r.handler, r.attempt,
+              runpool.attempts_used(r.attempt, r.attempt_offset) AS attempts_used,
               r.max_attempts,
               r.input, r.traceparent, r.created_at, r.serial_key, r.rank
 ),
@@ -284,7 +286,7 @@ decided AS (
                WHEN o.outcome <> 'retry' THEN o.outcome
                -- A cancel requested while the attempt failed ends the run; it does not retry.
                WHEN r.cancel_requested_at IS NOT NULL THEN 'cancelled'
-               WHEN runpool.attempts_used(r) >= r.max_attempts THEN 'failed'
+               WHEN runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts THEN 'failed'
                ELSE 'queued'
            END AS status
     FROM outcome o

@@ -42,7 +42,7 @@ def test_a_name_one_over_the_limit_is_refused_by_enqueue_with_the_limit_in_the_m
 
 
 @pytest.mark.parametrize(("call", "expanded"), [
-    ("runpool.attempts_used(r)", "(attempt - attempt_offset)"),
+    ("runpool.attempts_used(r.attempt, r.attempt_offset)", "(attempt - attempt_offset)"),
     ("runpool.serial_key_lock(r.tenant, r.serial_key)", "hashtextextended("),
     ("runpool.rank(r.created_at, r.priority, 30.0)", "EXTRACT(epoch FROM created_at)"),
 ])
