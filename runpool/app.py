@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .errors import AppNotFound, InvalidInput
 from .limits import NAME_MAX_LENGTH
+from .schedules import Schedule
 
 __all__ = ["App", "Handler", "load_app"]
 
@@ -35,10 +36,15 @@ class Handler:
 
 
 class App:
-    """A registry of handlers by name; a worker loads one with --app module:attribute."""
+    """A registry of handlers by name, and of the schedules that enqueue their runs; a worker
+    loads one with --app module:attribute."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
+        self._schedules: dict[str, Schedule] = {}
+        # Schedules decorating a function not (yet) registered as a handler: @app.schedule
+        # below @app.handler runs first.
+        self._unbound: list[tuple[HandlerFn, dict[str, Any]]] = []
 
     def handler(
         self, name: str, *, no_retry: tuple[type[BaseException], ...] = ()
@@ -50,9 +56,57 @@ class App:
             if name in self._handlers:
                 raise InvalidInput(f"handler {name!r} is already registered")
             self._handlers[name] = Handler(name, fn, no_retry)
+            waiting = [spec for f, spec in self._unbound if f is fn]
+            self._unbound = [(f, spec) for f, spec in self._unbound if f is not fn]
+            for spec in waiting:
+                self._add_schedule(Schedule(handler=name, **spec))
             return fn
 
         return register
+
+    def schedule(self, name: str, cron: str, *, tenant: str, input: dict[str, Any] | None = None,
+                 timezone: str = "UTC", catch_up: str = "latest", priority: int = 0,
+                 serial_key: str | None = None) -> Callable[[HandlerFn], HandlerFn]:
+        """Run the decorated handler on a schedule: one run per plan time of `cron` (5-field
+        cron or an @alias) in `timezone`, for `tenant`, with `input` plus "scheduled_at" (the
+        plan time, ISO 8601 UTC). Stacks with @app.handler in either order. Validated now
+        (InvalidInput); upserted by every pool that starts with this app."""
+        spec: dict[str, Any] = {
+            "name": name, "cron": cron, "tenant": tenant,
+            "input": {} if input is None else input, "timezone": timezone,
+            "catch_up": catch_up, "priority": priority, "serial_key": serial_key}
+        # Checked at once, with a placeholder handler: a bad schedule fails the import.
+        Schedule(handler="-", **spec)
+        if name in self._schedules or any(s["name"] == name for _, s in self._unbound):
+            raise InvalidInput(f"schedule {name!r} is already defined")
+
+        def register(fn: HandlerFn) -> HandlerFn:
+            handlers = [h.name for h in self._handlers.values() if h.fn is fn]
+            if len(handlers) > 1:
+                raise InvalidInput(f"schedule {name!r}: the function is registered as several"
+                                   f" handlers ({', '.join(handlers)}); it cannot tell which")
+            if handlers:
+                self._add_schedule(Schedule(handler=handlers[0], **spec))
+            else:
+                self._unbound.append((fn, spec))
+            return fn
+
+        return register
+
+    def _add_schedule(self, schedule: Schedule) -> None:
+        if schedule.name in self._schedules:
+            raise InvalidInput(f"schedule {schedule.name!r} is already defined")
+        self._schedules[schedule.name] = schedule
+
+    @property
+    def schedules(self) -> list[Schedule]:
+        """The app's schedules, by name. InvalidInput if one decorates a function that is not
+        a handler of this app."""
+        if self._unbound:
+            names = ", ".join(repr(spec["name"]) for _, spec in self._unbound)
+            raise InvalidInput(f"schedule(s) {names} decorate a function that is not a handler"
+                               " of this app: stack @app.schedule with @app.handler")
+        return [self._schedules[n] for n in sorted(self._schedules)]
 
     def get(self, name: str) -> Handler | None:
         return self._handlers.get(name)
@@ -82,4 +136,8 @@ def load_app(path: str | None) -> App:
     app = getattr(module, attr or "app", None)
     if not isinstance(app, App):
         raise AppNotFound(f"{path!r} is not a runpool.App")
+    try:
+        app.schedules  # noqa: B018 (a schedule left without its handler is refused here)
+    except InvalidInput as exc:
+        raise AppNotFound(f"{path!r}: {exc}") from None
     return app

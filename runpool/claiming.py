@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -70,6 +70,7 @@ async def claim_statements(
     touch: bool = False,
     reap_expired: bool = True,
     handlers: Sequence[str] | None = None,
+    on_schedules: Callable[[float | None, bool], None] | None = None,
 ) -> psycopg.AsyncCursor[dict[str, Any]] | None:
     """The claim's statements, run inside the caller's pipelined transaction. Returns the
     cursor of claimed rows (None when no tenant has work and room), to be read after COMMIT:
@@ -82,14 +83,19 @@ async def claim_statements(
     queue first (a busy worker need not do it on every claim: an expired lease never counts
     against a quota, it only waits to be claimable again) and gives headless serial keys their
     head (see heal_serial_keys). With `handlers`, only runs of those handlers are claimed (a
-    mixed fleet: another pool's runs wait for it).
+    mixed fleet: another pool's runs wait for it). With `on_schedules`, the reap also probes
+    the schedules' earliest plan and tells it (seconds until it, whether one needs planning).
     """
+    probe = None
     if reap_expired:
         await conn.execute(QUERIES["reap_expired"])
         # The heal sweep rides here, at the reap's cadence, rather than in a transaction of
         # its own: an idle pool costs one transaction per poll and no more (W3). It never
         # waits for a lock, so it cannot hold the claim up.
         await conn.execute(QUERIES["heal_serial_keys"])
+        if on_schedules is not None:
+            # So does the scheduler's fallback; its answer arrives with the tenant locks'.
+            probe = await conn.execute(QUERIES["schedule_probe"])
     if touch:
         await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
     # Runs whose time has come join the claim's index first (one index probe when none has).
@@ -101,6 +107,10 @@ async def claim_statements(
         names = list(handlers)
     cur = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
     tenants = [t for (t,) in await cur.fetchall()]
+    if probe is not None and on_schedules is not None:
+        seen = await probe.fetchone()
+        if seen is not None:
+            on_schedules(seen[0], bool(seen[1]))
     if not tenants:
         return None
     faults.hit("claim.locked", conn)

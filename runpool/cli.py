@@ -33,7 +33,7 @@ __all__ = ["main"]
 POOL_COMMANDS = ("worker", "run")
 COMMANDS = (
     *POOL_COMMANDS, "migrate", "enqueue", "cancel", "retry", "resolve", "explain", "runs",
-    "wait", "status", "demo", "bench",
+    "wait", "status", "schedules", "demo", "bench",
 )
 
 # The SQL API, called exactly as an application would.
@@ -60,6 +60,7 @@ _HELP = {
     "pool_size": "database connections per worker (default 3 + concurrency/4)",
     "listen": "use LISTEN/NOTIFY (--no-listen: poll only, for transaction-mode poolers)",
     "data_dir": "embedded PostgreSQL data directory",
+    "schedule_catchup_max": "most missed plans of one schedule catch_up='all' fires",
 }
 
 
@@ -165,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="SECONDS", help="refresh in place every SECONDS (default 2)")
     p.add_argument("--window", type=float, default=3600,
                    help="seconds of finished runs the percentiles cover (default 3600)")
+
+    p = sub.add_parser("schedules", help="every schedule, with its next fire times")
+    _add_settings_flags(p, db_only)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
 
     p = sub.add_parser("demo", help="run the sample agent app on a pool and watch it")
     _add_settings_flags(p, db_only)
@@ -336,6 +341,12 @@ def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: str) -
         return 0
     if args.command == "status":
         return _status(conn, args)
+    if args.command == "schedules":
+        from .status import render_schedules, schedules
+
+        listing = schedules(conn)
+        print(json.dumps(listing) if args.json else render_schedules(listing))
+        return 0
     raise AssertionError(args.command)
 
 

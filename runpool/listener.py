@@ -14,16 +14,18 @@ import psycopg
 
 from .db import aconnect
 
-__all__ = ["CANCEL", "WAKEUP", "ClaimBudget", "Listener"]
+__all__ = ["CANCEL", "SCHEDULES", "WAKEUP", "ClaimBudget", "Listener"]
 
 logger = logging.getLogger("runpool.listener")
 
 WAKEUP: Final = "runpool_wakeup"
 CANCEL: Final = "runpool_cancel"
+# Rung when a schedule's timing changes (0010): the scheduler re-reads its earliest plan.
+SCHEDULES: Final = "runpool_schedules"
 # Channel names are fixed identifiers, so plain static SQL is enough. The connection waits
 # idle by design: a server-wide idle_session_timeout (set to reap forgotten sessions) would
 # otherwise close it every few seconds, and each reconnect loses the notices sent meanwhile.
-LISTEN: Final = ("LISTEN runpool_wakeup; LISTEN runpool_cancel;"
+LISTEN: Final = ("LISTEN runpool_wakeup; LISTEN runpool_cancel; LISTEN runpool_schedules;"
                  " SET idle_session_timeout = 0")
 # Seconds between two log lines about ignored (malformed) cancel notices.
 NOISE_LOG_SECONDS: Final = 10.0
@@ -66,10 +68,12 @@ class ClaimBudget:
 
 
 class Listener:
-    """Sets `wake` on every doorbell and calls `on_cancel(run_id)` on every cancel notice.
+    """Sets `wake` on every doorbell, calls `on_cancel(run_id)` on every cancel notice and
+    `on_schedules()` on every schedule notice.
 
     After each (re)connect it sets `wake` too, because notifications sent while it was away are
-    lost: the worker then claims once to catch up.
+    lost: the worker then claims once to catch up (and, after a reconnect, `on_schedules()`:
+    the scheduler looks again).
     """
 
     def __init__(
@@ -79,10 +83,12 @@ class Listener:
         on_cancel: Callable[[uuid.UUID], None],
         *,
         worker_id: uuid.UUID,
+        on_schedules: Callable[[], None] | None = None,
     ) -> None:
         self._dsn = dsn
         self._wake = wake
         self._on_cancel = on_cancel
+        self._on_schedules = on_schedules
         self._worker_id = worker_id
         self.connected = asyncio.Event()
         self.reconnects = 0
@@ -111,6 +117,8 @@ class Listener:
                     self.connected.set()
                     delay = 0.1
                     self._wake.set()
+                    if self.reconnects and self._on_schedules is not None:
+                        self._on_schedules()
                     async for notice in conn.notifies():
                         self._dispatch(notice.channel, notice.payload)
             except psycopg.OperationalError as exc:
@@ -133,6 +141,8 @@ class Listener:
                 self._ignore(payload)
                 return
             self._on_cancel(run_id)
+        elif channel == SCHEDULES and self._on_schedules is not None:
+            self._on_schedules()
 
     def _ignore(self, payload: str) -> None:
         # Anyone with LISTEN/NOTIFY rights can send noise; it must never hurt a worker, nor

@@ -55,6 +55,7 @@ class Pool:
         base = settings if settings is not None else Settings(workers=1)
         self.settings = replace(base, dsn=dsn, **options)
         self.app = app if isinstance(app, App) else load_app(app)
+        self.app.schedules  # noqa: B018 (InvalidInput now for a schedule without its handler)
         self._worker = Worker(self.settings, self.app, dsn, tracer_provider=tracer_provider)
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()

@@ -42,6 +42,15 @@ SELECT count(*) AS reaped,
        CASE WHEN bool_or(status = 'queued') THEN pg_notify('runpool_wakeup', '') END AS rang
 FROM reaped;
 
+-- name: schedule_probe
+-- Seconds until the earliest schedule plan (NULL: none) and whether a schedule waits for its
+-- next plan time to be computed: rides in the claim's reap (index probes), so a scheduler
+-- that missed a doorbell, or runs without LISTEN, still learns within a poll.
+SELECT extract(epoch FROM (SELECT min(next_fire_at) FROM runpool.schedules
+                           WHERE enabled AND error IS NULL) - now())::float8,
+       EXISTS (SELECT 1 FROM runpool.schedules
+               WHERE enabled AND error IS NULL AND next_fire_at IS NULL);
+
 -- name: promote_due
 -- Put runs whose time has come (run_at, retry backoff) into the claim's index (0006: runs
 -- waiting for their time stay out of it, so the claim never walks them). Rows another

@@ -53,6 +53,8 @@ class Settings:
     pool_size: int | None = None
     listen: bool = True
     data_dir: str = ".runpool/pgdata"
+    # The most plans of one schedule that catch_up='all' fires after an outage (the latest).
+    schedule_catchup_max: int = 100
 
     def __post_init__(self) -> None:
         positive = ("lease_seconds", "poll_seconds", "retry_backoff_seconds")
@@ -80,6 +82,9 @@ class Settings:
                                f" got {self.max_result_bytes}")
         if self.pool_size is not None and not 2 <= self.pool_size <= 100:
             raise InvalidInput(f"pool_size must be between 2 and 100, got {self.pool_size}")
+        if not 1 <= self.schedule_catchup_max <= 10_000:
+            raise InvalidInput("schedule_catchup_max must be between 1 and 10000,"
+                               f" got {self.schedule_catchup_max}")
         if self.aging_seconds is not None and not self.aging_seconds > 0:
             raise InvalidInput(f"aging_seconds must be > 0, got {self.aging_seconds}")
 

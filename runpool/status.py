@@ -1,5 +1,6 @@
 """`python -m runpool status`: what is happening — counts, in-flight and stuck runs, recent
-failures, latency percentiles, live workers; and `runs RUN_ID`: one run's whole story."""
+failures, latency percentiles, live workers; `runs RUN_ID`: one run's whole story; and
+`schedules`: every schedule with its next plan times."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import dict_row
 
-__all__ = ["STATUSES", "collect", "history", "render", "render_history"]
+__all__ = ["STATUSES", "collect", "history", "render", "render_history", "render_schedules",
+           "schedules"]
 
 STATUSES: Final = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -191,4 +193,52 @@ def render_history(doc: dict[str, Any]) -> str:
         out += ["", "tool calls:"]
         out += [f"  {t['call_id']:<16} {t['name']:<16} {t['status']:<10} attempt {t['attempt']}"
                 f"  ran {t['executions']}x  {t['result'] or ''}" for t in doc["tool_calls"]]
+    return "\n".join(out)
+
+
+# Every schedule, with the database's clock (upcoming plan times are counted from it).
+SCHEDULES: Final = """
+SELECT name, cron, timezone, tenant, handler, catch_up, priority, serial_key, enabled,
+       next_fire_at, last_fire_at, error, input, now() AS now
+FROM runpool.schedules ORDER BY name
+"""
+
+
+def schedules(conn: psycopg.Connection[Any], *, upcoming: int = 3) -> dict[str, Any]:
+    """`schedules`: every schedule, with its next `upcoming` plan times (from next_fire_at,
+    or from now for one no pool has planned yet)."""
+    from .errors import InvalidInput
+    from .schedules import upcoming as plans_after
+
+    out = []
+    for row in conn.cursor(row_factory=dict_row).execute(SCHEDULES):
+        now = row.pop("now")
+        nxt: list[datetime] = []
+        if row["enabled"] and not row["error"]:
+            try:
+                if row["next_fire_at"] is None:
+                    nxt = plans_after(row["cron"], row["timezone"], now, upcoming)
+                else:
+                    first = row["next_fire_at"]
+                    nxt = [first, *plans_after(row["cron"], row["timezone"], first,
+                                               upcoming - 1)]
+            except InvalidInput as exc:  # a pool will say so in `error` too
+                row["error"] = str(exc)
+        row["next"] = [t.isoformat() for t in nxt]
+        out.append(_jsonable(row))
+    return {"schedules": out}
+
+
+def render_schedules(doc: dict[str, Any]) -> str:
+    if not doc["schedules"]:
+        return "no schedules (set_schedule or @app.schedule creates them)"
+    out = []
+    for s in doc["schedules"]:
+        state = "error" if s["error"] else "enabled" if s["enabled"] else "disabled"
+        out.append(f"{s['name']}  [{state}]  {s['cron']} ({s['timezone']})  ->"
+                   f" {s['handler']} for {s['tenant']}, catch_up {s['catch_up']}")
+        if s["error"]:
+            out.append(f"  error: {s['error']}")
+        out.append(f"  last fired: {s['last_fire_at'] or '-'}")
+        out.append(f"  next: {', '.join(s['next']) or '-'}")
     return "\n".join(out)

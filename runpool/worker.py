@@ -34,6 +34,7 @@ from .outcomes import OutcomeWriter
 from .progress import Publisher
 from .queries import QUERIES
 from .runner import SlotRunner
+from .scheduler import Scheduler, upsert_schedules
 from .settings import Settings
 from .slot import Slot, Slots, StopReason
 from .tasks import cancel_all
@@ -79,6 +80,7 @@ class Worker:
         self._stop: asyncio.Event | None = None
         self._reserved = 0
         self.listener: Listener | None = None
+        self.scheduler: Scheduler | None = None
         self._claim_budget = ClaimBudget()
         self._log = {"worker_id": str(self.id)}
         # 0, or EXIT_STUCK once a run's thread outlived its grace: the process must end it.
@@ -97,6 +99,10 @@ class Worker:
         side: list[asyncio.Task[None]] = []
         try:
             await self._register()
+            # The app's schedules are in the database before the pool says it is ready.
+            await upsert_schedules(self._pool, self.app, self._log)
+            self.scheduler = Scheduler(self._pool, catch_up_max=s.schedule_catchup_max,
+                                       poll_seconds=s.poll_seconds, worker_id=self.id)
             self._stop = stop
             writer = OutcomeWriter(self._pool, worker_id=self.id, refill=self)
             progress = Publisher(self._pool, log=self._log)
@@ -109,11 +115,13 @@ class Worker:
                 touch=self._touch, on_cancel=self._cancel, on_lost=self._runner.abandon)
             side.append(asyncio.create_task(writer.run(), name="outcomes"))
             side.append(asyncio.create_task(progress.run(), name="progress"))
+            side.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
             if s.listen:
                 self.listener = Listener(
-                    self.dsn, self._attention, self.cancels.on_notice, worker_id=self.id
+                    self.dsn, self._attention, self.cancels.on_notice, worker_id=self.id,
+                    on_schedules=self.scheduler.poke,
                 )
                 side.append(asyncio.create_task(self.listener.run(), name="listener"))
             for task in side:
@@ -232,7 +240,8 @@ class Worker:
         # within a second of expiry is plenty; a claim every few ms need not reap.
         return {"worker_id": self.id, "lease_seconds": self.settings.lease_seconds,
                 "touch": self._touch.due(now), "reap_expired": self._reap.due(now),
-                "handlers": self.app.names}
+                "handlers": self.app.names,
+                "on_schedules": self.scheduler.observe if self.scheduler else None}
 
     async def _claim(self, limit: int) -> list[tuple[ClaimedRun, float]]:
         """Claimed runs, each with the local time the claim was sent: the lease started no

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -344,6 +345,46 @@ def w9_cancel_latency(server: str) -> dict[str, Any]:
             "no_listen_heartbeat_s": 10.0}
 
 
+# Pin every bench schedule's next plan a few whole seconds ahead, spread over 4 seconds.
+PIN_SCHEDULES: Final = """
+UPDATE runpool.schedules SET
+    next_fire_at = date_trunc('second', now()) + (2 + mod(substr(name, 5)::int, 4)) * interval '1 s'
+WHERE left(name, 4) = 'w11-'
+"""
+SCHEDULED_RUNS: Final = "SELECT count(*) FROM runpool.runs WHERE idempotency_key LIKE 'schedule:%'"
+# Fire lateness: the run's creation (the firing transaction's start) minus its plan time.
+LATENESS: Final = """
+SELECT extract(epoch FROM created_at - (input ->> 'scheduled_at')::timestamptz)::float8
+FROM runpool.runs WHERE idempotency_key LIKE 'schedule:%'
+"""
+
+
+def w11_schedule_lateness(server: str, *, schedules: int = 20, rounds: int = 5
+                          ) -> dict[str, Any]:
+    """W11: fire lateness (run created - plan time) of 20 schedules whose plans are pinned
+    2-5 s ahead, 5 rounds, three pools of 1 worker racing for every plan (plus any real
+    minute boundary that passes meanwhile)."""
+    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
+        for i in range(schedules):
+            conn.execute("SELECT runpool.set_schedule(%s, '* * * * *', 'bench', 'noop',"
+                         " catch_up => 'skip')", (f"w11-{i}",))
+        with contextlib.ExitStack() as pools:
+            for _ in range(3):
+                pools.enter_context(_pool(dsn, workers=1))
+            wait_until(conn, LIVE_WORKERS, 3, timeout=60)
+            for r in range(rounds):
+                conn.execute(PIN_SCHEDULES)
+                wait_until(conn, SCHEDULED_RUNS, schedules * (r + 1), timeout=60)
+                time.sleep(0.5)
+        late = [float(v) for (v,) in conn.execute(LATENESS)]
+        duplicates = conn.execute(
+            "SELECT count(*) - count(DISTINCT idempotency_key) FROM runpool.runs").fetchone()
+    assert duplicates is not None
+    return {"workload": "W11", "plans": len(late), "p50_ms": round(percentile(late, 50) * 1000, 2),
+            "p99_ms": round(percentile(late, 99) * 1000, 2), "max_ms": round(max(late) * 1000, 2),
+            "duplicates": int(duplicates[0])}
+
+
 WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W1": w1_throughput,
     "W1q": lambda server: w1_throughput(server, quotas=True),
@@ -356,6 +397,7 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W8": w8_resume_cost,
     "W9": w9_cancel_latency,
     "W10": w10_serial_keys,
+    "W11": w11_schedule_lateness,
     "W12": w12_follow_latency,
     "W13": w13_progress_cost,
 }
