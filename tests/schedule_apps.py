@@ -24,3 +24,12 @@ async def tick(run: runpool.Run) -> Any:
 @app.handler("nightly")
 async def nightly(run: runpool.Run) -> Any:
     return {"scheduled_at": run.input["scheduled_at"]}
+
+
+# A schedule whose function was never registered as a handler: refused when loaded.
+stray_app = runpool.App()
+
+
+@stray_app.schedule("orphan", "@daily", tenant="acme")
+async def orphan(run: runpool.Run) -> Any:
+    return None

@@ -20,7 +20,8 @@ import pytest
 
 import runpool
 from runpool.db import aconnect
-from runpool.errors import InvalidInput
+from runpool.app import load_app
+from runpool.errors import AppNotFound, InvalidInput
 from runpool.scheduler import Tick, fire_due
 from runpool.schedules import ON_TIME_SECONDS, Schedule, due_plans, next_plan, plan_key, upcoming
 from tests.helpers import running_pool, scalar, wait_for
@@ -111,6 +112,9 @@ def test_app_schedule__stacks_with_handler_in_either_order_and_refuses_strays() 
         app.schedules  # noqa: B018
     with pytest.raises(InvalidInput, match="not a handler"):
         runpool.Pool(app, dsn="postgresql://unused")
+    # What `python -m runpool --app` meets: exit 78, one line naming the schedule.
+    with pytest.raises(AppNotFound, match=r"stray_app.*'orphan'.*not a handler"):
+        load_app("tests.schedule_apps:stray_app")
 
 
 def test_aliases__are_the_standard_crons() -> None:
