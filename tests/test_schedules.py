@@ -19,8 +19,8 @@ import psycopg
 import pytest
 
 import runpool
-from runpool.db import aconnect
 from runpool.app import load_app
+from runpool.db import aconnect
 from runpool.errors import AppNotFound, InvalidInput
 from runpool.scheduler import Tick, fire_due
 from runpool.schedules import ON_TIME_SECONDS, Schedule, due_plans, next_plan, plan_key, upcoming
