@@ -299,6 +299,9 @@ class Scheduler:
         while True:
             await self._sleep()
             poked, self._poked = self._poked, False
+            # The firing's clock is its transaction's start: the next plan's interval counts
+            # from here, not from when the firing returned.
+            started = loop.time()
             try:
                 async with bounded(self._pool, max(5.0, self._poll)) as conn:
                     tick = await fire_due(conn, catch_up_max=self._catch_up_max, log=self._log)
@@ -328,4 +331,4 @@ class Scheduler:
                 backoff = min(backoff * 2, self._poll)
             else:
                 backoff = 0.05
-                self._at = None if tick.due_in is None else loop.time() + tick.due_in + EPSILON
+                self._at = None if tick.due_in is None else started + tick.due_in + EPSILON
