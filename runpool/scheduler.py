@@ -112,6 +112,8 @@ class Tick:
     # Seconds until the earliest plan (<= 0: due, but held by another session); None: none.
     due_in: float | None
     unplanned: bool
+    # A full batch was taken: more may be due right now.
+    more: bool = False
 
 
 def _error_text(exc: BaseException) -> str:
@@ -134,7 +136,8 @@ async def fire_due(conn: psycopg.AsyncConnection[Any], *, catch_up_max: int,
         clock: datetime = row[0]
         await conn.execute(SET_LOCK_TIMEOUT, {"timeout": LOCK_TIMEOUT})
         cur = await conn.execute(LOCK_UNPLANNED, {"limit": BATCH})
-        for name, cron, tz in await cur.fetchall():
+        unplanned = await cur.fetchall()
+        for name, cron, tz in unplanned:
             await _plan(conn, name, cron, tz, clock, log)
         rows = await (await conn.cursor(row_factory=dict_row).execute(
             LOCK_DUE, {"now": clock, "limit": BATCH})).fetchall()
@@ -145,7 +148,7 @@ async def fire_due(conn: psycopg.AsyncConnection[Any], *, catch_up_max: int,
         cur = await conn.execute(EARLIEST, {"now": clock})
         row = await cur.fetchone()
         assert row is not None
-    return Tick(fired, row[0], bool(row[1]))
+    return Tick(fired, row[0], bool(row[1]), BATCH in (len(unplanned), len(rows)))
 
 
 async def _plan(conn: psycopg.AsyncConnection[Any], name: str, cron: str, tz: str,
@@ -324,7 +327,10 @@ class Scheduler:
                 self._budget.found_work()
             else:
                 self._budget.spend()
-            if tick.unplanned or (tick.due_in is not None and tick.due_in <= 0):
+            if tick.more:
+                self._at = loop.time()  # the rest of a burst, at once
+                backoff = 0.05
+            elif tick.unplanned or (tick.due_in is not None and tick.due_in <= 0):
                 # Due (or to plan) but held by another session: it fires or plans them, or
                 # its transaction ends; its commit rings the doorbell, this is the fallback.
                 self._at = loop.time() + backoff

@@ -424,6 +424,37 @@ def test_fire__a_session_holding_one_schedules_row_holds_up_no_other(
     assert fire(dsn, now).fired == {"held": [utc("2026-11-30T10:00:00Z")]}
 
 
+def test_fire__a_session_holding_a_schedules_serial_key_delays_only_that_schedule(
+        conn: psycopg.Connection, dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    conn.execute("SELECT runpool.set_schedule('keyed', '* * * * *', 'acme', 'tick',"
+                 " serial_key => 'k')")
+    conn.execute("SELECT runpool.set_schedule('free', '* * * * *', 'acme', 'tick')")
+    plan = utc("2026-11-30T10:00:00Z")
+    for name in ("keyed", "free"):
+        pin(conn, name, plan)
+    with psycopg.connect(dsn) as hostile:
+        hostile.execute("SELECT runpool._lock_serial_key('acme', 'k')")  # held, uncommitted
+        tick = fire(dsn, plan)
+    assert tick.fired == {"free": [plan]}
+    assert row(conn, "keyed")["error"] is None and row(conn, "keyed")["next_fire_at"] == plan
+    assert "schedule_lock_busy" in {getattr(r, "action", None) for r in caplog.records}
+    assert fire(dsn, plan).fired == {"keyed": [plan]}
+    assert scalar(conn, "SELECT serial_key FROM runpool.runs WHERE idempotency_key = %s",
+                  plan_key("keyed", plan)) == "k"
+
+
+def test_fire__a_burst_beyond_one_batch_says_there_is_more(
+        conn: psycopg.Connection, dsn: str) -> None:
+    conn.execute("INSERT INTO runpool.schedules (name, cron, tenant, handler, next_fire_at)"
+                 " SELECT 'b' || i, '@hourly', 'acme', 'tick', '2026-11-30T10:00:00Z'"
+                 " FROM generate_series(1, 150) i")
+    first = fire(dsn, utc("2026-11-30T10:00:00Z"))
+    second = fire(dsn, utc("2026-11-30T10:00:00Z"))
+    assert (len(first.fired), first.more) == (100, True)
+    assert (len(second.fired), second.more) == (50, False)
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 150
+
+
 def test_fire__racing_connections_fire_every_plan_exactly_once(
         conn: psycopg.Connection, dsn: str) -> None:
     """Six connections fire at once, again and again, while plans are replayed (next_fire_at
