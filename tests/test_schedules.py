@@ -8,6 +8,7 @@ next_fire_at moved by UPDATE for the real pools (the plan time is whatever next_
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import tempfile
@@ -17,6 +18,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import runpool
 from runpool.app import load_app
@@ -633,3 +636,30 @@ def test_idle_pool__no_firing_until_a_plan_is_due_and_forged_doorbells_are_bound
     # 200 doorbells in ~2.5 s: a burst of 5, then 2 per second.
     assert 1 <= flooded <= 12, flooded
     assert fired == 0
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(cron=st.sampled_from(["30 2 * * *", "30 1 * * *", "0 * * * *", "*/20 * * * *",
+                             "15 1-3 * * *", "0 2 * * SUN", "@daily"]),
+       tz=st.sampled_from(["Europe/Berlin", "America/New_York", "UTC"]),
+       night=st.sampled_from(["2026-03-08", "2026-03-29", "2026-10-25", "2026-11-01"]),
+       offset=st.integers(min_value=0, max_value=3 * 86400))
+def test_plans__resuming_the_walk_at_any_instant_skips_and_repeats_nothing(
+        cron: str, tz: str, night: str, offset: int) -> None:
+    """A pool computes the next plan from wherever it stands (a restart, a set_schedule, a
+    firing): from any instant between two plans the walk gives the later one, around every
+    DST change."""
+    start = utc(f"{night}T00:00:00Z") - timedelta(days=1)
+    plans = _upcoming(cron, tz, start)
+    t = start + timedelta(seconds=offset, microseconds=offset % 7 * 100_000)
+    later = [p for p in plans if p > t]
+    assert later and next_plan(cron, tz, t) == later[0]
+    assert plans == sorted(set(plans))
+
+
+@functools.cache
+def _upcoming(cron: str, tz: str, start: datetime) -> list[datetime]:
+    """The plans of the 4 days after `start` (and one more)."""
+    plans = upcoming(cron, tz, start, 400)
+    assert plans[-1] > start + timedelta(days=4)
+    return plans
