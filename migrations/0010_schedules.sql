@@ -13,6 +13,7 @@ CREATE TABLE runpool.schedules (
         CONSTRAINT cron_length CHECK (length(cron) BETWEEN 1 AND 200),
     timezone     text NOT NULL DEFAULT 'UTC'
         CONSTRAINT timezone_length CHECK (length(timezone) BETWEEN 1 AND 100),
+    -- 200: runpool.max_name_length(), spelled out as 0008 explains (tests/test_rules.py).
     tenant       text NOT NULL
         CONSTRAINT tenant_length CHECK (length(tenant) BETWEEN 1 AND 200),
     handler      text NOT NULL
@@ -110,13 +111,15 @@ BEGIN
                         ' @daily @midnight @hourly, got %', quote_nullable(set_schedule.cron)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF set_schedule.tenant IS NULL OR length(set_schedule.tenant) NOT BETWEEN 1 AND 200 THEN
-        RAISE EXCEPTION 'runpool.set_schedule: tenant must be 1 to 200 characters'
-            USING ERRCODE = 'invalid_parameter_value';
+    IF set_schedule.tenant IS NULL
+       OR length(set_schedule.tenant) NOT BETWEEN 1 AND runpool.max_name_length() THEN
+        RAISE EXCEPTION 'runpool.set_schedule: tenant must be 1 to % characters',
+            runpool.max_name_length() USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF set_schedule.handler IS NULL OR length(set_schedule.handler) NOT BETWEEN 1 AND 200 THEN
-        RAISE EXCEPTION 'runpool.set_schedule: handler must be 1 to 200 characters'
-            USING ERRCODE = 'invalid_parameter_value';
+    IF set_schedule.handler IS NULL
+       OR length(set_schedule.handler) NOT BETWEEN 1 AND runpool.max_name_length() THEN
+        RAISE EXCEPTION 'runpool.set_schedule: handler must be 1 to % characters',
+            runpool.max_name_length() USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF set_schedule.input IS NOT NULL AND jsonb_typeof(set_schedule.input) <> 'object' THEN
         RAISE EXCEPTION 'runpool.set_schedule: input must be a JSON object (each run gets it'
@@ -139,9 +142,9 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF set_schedule.serial_key IS NOT NULL
-       AND length(set_schedule.serial_key) NOT BETWEEN 1 AND 200 THEN
-        RAISE EXCEPTION 'runpool.set_schedule: serial_key must be 1 to 200 characters'
-            USING ERRCODE = 'invalid_parameter_value';
+       AND length(set_schedule.serial_key) NOT BETWEEN 1 AND runpool.max_name_length() THEN
+        RAISE EXCEPTION 'runpool.set_schedule: serial_key must be 1 to % characters',
+            runpool.max_name_length() USING ERRCODE = 'invalid_parameter_value';
     END IF;
     SELECT * INTO current FROM runpool.schedules s WHERE s.name = set_schedule.name FOR UPDATE;
     -- The zone list is read from disk (~20 ms): only for a new or changed time zone.

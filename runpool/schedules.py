@@ -27,6 +27,7 @@ from cronsim import CronSim, CronSimError
 
 from .db import dumps
 from .errors import InvalidInput
+from .limits import NAME_MAX_LENGTH
 
 __all__ = [
     "CATCH_UP_MODES",
@@ -209,8 +210,9 @@ class Schedule:
         if self.catch_up not in CATCH_UP_MODES:
             raise InvalidInput(f"schedule {self.name!r}: catch_up must be one of"
                                f" {', '.join(CATCH_UP_MODES)}, got {self.catch_up!r}")
-        if not isinstance(self.tenant, str) or not 1 <= len(self.tenant) <= 200:
-            raise InvalidInput(f"schedule {self.name!r}: tenant must be 1 to 200 characters")
+        if not isinstance(self.tenant, str) or not 1 <= len(self.tenant) <= NAME_MAX_LENGTH:
+            raise InvalidInput(f"schedule {self.name!r}: tenant must be 1 to"
+                               f" {NAME_MAX_LENGTH} characters")
         if not isinstance(self.input, dict):
             raise InvalidInput(f"schedule {self.name!r}: input must be a dict (each run gets"
                                " it with 'scheduled_at' added)")
@@ -219,6 +221,6 @@ class Schedule:
                 or not -100 <= self.priority <= 100:
             raise InvalidInput(f"schedule {self.name!r}: priority must be an int between -100"
                                " and 100")
-        if self.serial_key is not None and not 1 <= len(self.serial_key) <= 200:
-            raise InvalidInput(f"schedule {self.name!r}: serial_key must be 1 to 200"
-                               " characters")
+        if self.serial_key is not None and not 1 <= len(self.serial_key) <= NAME_MAX_LENGTH:
+            raise InvalidInput(f"schedule {self.name!r}: serial_key must be 1 to"
+                               f" {NAME_MAX_LENGTH} characters")
