@@ -230,10 +230,14 @@ async def _fire(conn: psycopg.AsyncConnection[Any], s: dict[str, Any], clock: da
 
 async def upsert_schedules(pool: AsyncConnectionPool, app: App, log: dict[str, str]) -> None:
     """Apply the app's schedules (a pool starting). One the database refuses (its name taken
-    by another tenant's schedule) is logged and skipped: the pool still starts."""
+    by another tenant's schedule, its row held by a session) is logged and skipped: the pool
+    still starts, and the stored definition goes on firing."""
     for schedule in app.schedules:
         try:
-            async with bounded(pool, 30) as conn:
+            async with bounded(pool, 30) as conn, conn.transaction():
+                # A session holding the schedule's row must not hold the pool's start up (a
+                # worker failing its start would be restarted into the same wait).
+                await conn.execute(SET_LOCK_TIMEOUT, {"timeout": LOCK_TIMEOUT})
                 await conn.execute(UPSERT, {
                     "name": schedule.name, "cron": schedule.cron, "tenant": schedule.tenant,
                     "handler": schedule.handler, "input": jsonb(dumps(schedule.input)),

@@ -582,6 +582,32 @@ def test_embedded_pool__upserts_its_schedules_fires_without_listen_and_leaves_re
     assert row(conn, "nightly-berlin")["enabled"] is True
 
 
+def test_pool_start__a_schedule_the_database_refuses_is_logged_and_the_pool_starts(
+        conn: psycopg.Connection, dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Its name taken by another tenant's schedule, or its row held by a session's open
+    transaction: the pool starts anyway (a failed start would restart into the same wait)."""
+    from tests.schedule_apps import app
+
+    conn.execute("SELECT runpool.set_schedule('every-minute', '@daily', 'evil', 'tick')")
+    conn.execute("SELECT runpool.set_schedule('nightly-berlin', '30 2 * * *', 'acme',"
+                 " 'nightly', timezone => 'Europe/Berlin', catch_up => 'latest')")
+
+    async def main() -> None:
+        async with runpool.Pool(app, dsn=dsn):
+            pass
+
+    with psycopg.connect(dsn) as hostile:
+        hostile.execute("SELECT 1 FROM runpool.schedules WHERE name = 'nightly-berlin'"
+                        " FOR UPDATE")
+        asyncio.run(asyncio.wait_for(main(), 20))
+    refused = {r.getMessage() for r in caplog.records
+               if getattr(r, "action", None) == "schedule_upsert_failed"}
+    assert any("every-minute" in m and "another tenant" in m for m in refused), refused
+    assert any("nightly-berlin" in m and "lock" in m for m in refused), refused
+    assert (row(conn, "every-minute")["tenant"], row(conn, "nightly-berlin")["catch_up"]) == \
+        ("evil", "latest")
+
+
 def test_cli_schedules__lists_next_fire_times(conn: psycopg.Connection, dsn: str) -> None:
     conn.execute("SELECT runpool.set_schedule('nightly', '30 2 * * *', 'acme', 'tick',"
                  " timezone => 'Europe/Berlin')")
