@@ -29,7 +29,7 @@ from .app import App
 from .db import bounded, dumps, jsonb, transient
 from .errors import InvalidInput
 from .listener import ClaimBudget
-from .schedules import Due, due_plans, next_plan, plan_key
+from .schedules import Due, due_plans, next_plan, plan_key, plan_text
 
 __all__ = ["Scheduler", "Tick", "fire_due", "upsert_schedules"]
 
@@ -193,7 +193,7 @@ async def _fire(conn: psycopg.AsyncConnection[Any], s: dict[str, Any], clock: da
                     spans.append(span)
                     parents.append(parent)
                 await conn.execute(ENQUEUE_PLANS, {
-                    "name": name, "at": [f"{p:%Y-%m-%dT%H:%M:%SZ}" for p in due.fire],
+                    "name": name, "at": [plan_text(p) for p in due.fire],
                     "keys": [plan_key(name, p) for p in due.fire], "traceparents": parents})
                 faults.hit("schedule.enqueued", conn)
             await conn.execute(ADVANCE, {"name": name, "next": due.next_fire_at,

@@ -37,6 +37,7 @@ __all__ = [
     "next_plan",
     "parse_cron",
     "plan_key",
+    "plan_text",
     "upcoming",
     "zone",
 ]
@@ -156,6 +157,8 @@ def due_plans(cron: str, timezone: str, next_fire_at: datetime, now: datetime, c
     first. Whatever the outage, the arithmetic walks a bounded number of plans.
     """
     expr, tz = parse_cron(cron), zone(timezone)
+    # The database answers in its session's time zone: plans are UTC instants here.
+    next_fire_at, now = next_fire_at.astimezone(UTC), now.astimezone(UTC)
     keep = catch_up_max if catch_up == "all" else 1
     # The common case, a short outage: every plan since next_fire_at, counted.
     later, total, reached = _plans_in(expr, tz, next_fire_at, now, keep, _COUNTED_STEPS)
@@ -181,9 +184,14 @@ def due_plans(cron: str, timezone: str, next_fire_at: datetime, now: datetime, c
     return Due(fire, dropped, next(_walk(expr, tz, now), None))
 
 
+def plan_text(plan: datetime) -> str:
+    """A plan time as runs see it: ISO 8601 UTC to the second, with a Z."""
+    return f"{plan.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}"
+
+
 def plan_key(name: str, plan: datetime) -> str:
     """The idempotency key of a plan's run: schedule:<name>:<plan time, UTC, to the second>."""
-    return f"schedule:{name}:{plan.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}"
+    return f"schedule:{name}:{plan_text(plan)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ failures, latency percentiles, live workers; `runs RUN_ID`: one run's whole stor
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Final
 
@@ -224,7 +224,7 @@ def schedules(conn: psycopg.Connection[Any], *, upcoming: int = 3) -> dict[str, 
                                                upcoming - 1)]
             except InvalidInput as exc:  # a pool will say so in `error` too
                 row["error"] = str(exc)
-        row["next"] = [t.isoformat() for t in nxt]
+        row["next"] = [t.astimezone(UTC).isoformat() for t in nxt]
         out.append(_jsonable(row))
     return {"schedules": out}
 

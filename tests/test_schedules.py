@@ -328,6 +328,19 @@ def test_fire__a_plan_exactly_at_the_clock_fires_once_and_a_microsecond_earlier_
     assert (s["last_fire_at"], s["next_fire_at"]) == (plan, plan + MINUTE)
 
 
+def test_fire__a_database_whose_sessions_speak_another_time_zone_fires_utc_plans(
+        conn: psycopg.Connection, dsn: str) -> None:
+    conn.execute(psycopg.sql.SQL("ALTER DATABASE {} SET timezone = 'America/New_York'").format(
+        psycopg.sql.Identifier(conn.info.dbname)))
+    conn.execute("SELECT runpool.set_schedule('tz', '30 2 * * *', 'acme', 'tick',"
+                 " timezone => 'Europe/Berlin')")
+    fire(dsn, utc("2026-11-30T12:00:00Z"))
+    assert fire(dsn, utc("2026-12-01T01:30:00Z")).fired == {"tz": [utc("2026-12-01T01:30:00Z")]}
+    assert scalar(conn, "SELECT array[idempotency_key, input ->> 'scheduled_at']"
+                        " FROM runpool.runs") == ["schedule:tz:2026-12-01T01:30:00Z",
+                                                  "2026-12-01T01:30:00Z"]
+
+
 @pytest.mark.parametrize(("cron", "tz", "start", "expected"), [
     ("30 2 * * *", "Europe/Berlin", "2026-03-27T12:00:00Z",   # 02:30 missing on 03-29
      ["03-28T01:30:00Z", "03-29T01:00:00Z", "03-30T00:30:00Z"]),
