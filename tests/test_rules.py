@@ -29,7 +29,7 @@ def test_the_name_limit_is_one_number_in_python_in_sql_and_in_every_constraint(
         conn: psycopg.Connection) -> None:
     assert conn.execute("SELECT runpool.max_name_length()").fetchone() == (NAME_MAX_LENGTH,)
     checks = conn.execute(_NAME_CHECKS).fetchall()
-    # runs, tenants, tool_calls: 7; schedules (0009): its tenant, handler and serial key.
+    # runs, tenants, tool_calls: 7; schedules (0010): its tenant, handler and serial key.
     assert len(checks) == 10, checks
     for table, name, definition in checks:
         assert f"<= {NAME_MAX_LENGTH})" in definition, (table, name, definition)
