@@ -439,7 +439,8 @@ def test_upgrade__runs_from_before_0009_can_be_waited_for_and_followed(empty_dsn
         conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
                      " lease_expires_at = now() + interval '1 minute' WHERE id = %s",
                      (running,))
-        assert [m.version for m in migrate(conn)] == [9]
+        # 0009, then any later migration (0010_schedules, ...).
+        assert [m.version for m in migrate(conn)][:1] == [9]
         assert runpool.wait(conn, done, timeout=5).result == 7
         conn.execute("UPDATE runpool.runs SET status = 'failed', finished_at = now(),"
                      " lease_expires_at = NULL WHERE id = %s", (running,))
