@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
@@ -33,7 +34,7 @@ __all__ = ["main"]
 POOL_COMMANDS = ("worker", "run")
 COMMANDS = (
     *POOL_COMMANDS, "migrate", "enqueue", "cancel", "retry", "resolve", "explain", "runs",
-    "wait", "status", "schedules", "demo", "bench",
+    "wait", "status", "schedules", "demo", "bench", "ui",
 )
 
 # The SQL API, called exactly as an application would.
@@ -171,6 +172,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_settings_flags(p, db_only)
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
+    p = sub.add_parser("ui", help="serve the web console, the run API and /metrics",
+                       description="Serve runpool.web's operator console (every tenant: keep it"
+                                   " to operators; it binds 127.0.0.1 unless told otherwise).")
+    _add_settings_flags(p, db_only)
+    p.add_argument("--host", default=os.environ.get("RUNPOOL_UI_HOST", "127.0.0.1"),
+                   help="address to bind (default 127.0.0.1) [RUNPOOL_UI_HOST]")
+    p.add_argument("--port", type=int, default=int(os.environ.get("RUNPOOL_UI_PORT", "8080")),
+                   help="port (default 8080) [RUNPOOL_UI_PORT]")
+
     p = sub.add_parser("demo", help="run the sample agent app on a pool and watch it")
     _add_settings_flags(p, db_only)
     p.add_argument("--runs", type=int, default=36)
@@ -221,6 +231,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .harness.bench import run_bench
 
         return run_bench(settings, args.workload, repeat=args.repeat)
+    if args.command == "ui":
+        return _ui(settings, args.host, args.port)
     dsn = resolve_dsn(settings, announce=False)
     with connect(dsn, autocommit=True) as conn:
         if args.command == "migrate":
@@ -252,6 +264,28 @@ def _run(settings: Settings) -> int:
         with connect(dsn, autocommit=True) as conn:
             migrate(conn)
     return Supervisor(settings, dsn, app).run()
+
+
+def _ui(settings: Settings, host: str, port: int) -> int:
+    try:
+        import uvicorn
+
+        from .web import create_app
+        from .web.hosts import loopback_only
+    except ImportError as exc:
+        print(f"runpool: the web console needs its extra: pip install 'runpool[web]' ({exc})",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    dsn = resolve_dsn(settings)
+    if not settings.dsn:
+        from .migrate import migrate
+
+        with connect(dsn, autocommit=True) as conn:
+            migrate(conn)
+    app = loopback_only(create_app(dsn), host)
+    print(f"runpool: console on http://{host}:{port}/", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    return 0
 
 
 def _migrate(conn: psycopg.Connection[Any], *, sql_only: bool) -> int:

@@ -29,6 +29,7 @@ __all__ = [
     "bounded",
     "configure",
     "connect",
+    "connection_options",
     "dumps",
     "jsonb",
     "loads",
@@ -65,6 +66,12 @@ def _options(dsn: str, connect_timeout: int | None = None) -> dict[str, Any]:
                                     or os.environ.get("PGCONNECT_TIMEOUT")):
         return dict(KEEPALIVES)
     return {**KEEPALIVES, "connect_timeout": connect_timeout or CONNECT_TIMEOUT}
+
+
+def connection_options(dsn: str) -> dict[str, Any]:
+    """The keyword options every runpool connection is opened with (for pools built
+    elsewhere, such as the web app's)."""
+    return _options(dsn)
 
 
 # A NUL escape in JSON text: \u0000 preceded by an even number of backslashes (an odd number

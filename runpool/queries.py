@@ -1,4 +1,5 @@
-"""Loads runpool/queries.sql once into named, static SQL strings."""
+"""Loads a package's named SQL file (runpool/queries.sql and the like) once into static SQL
+strings."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import re
 from importlib.resources import files
 from typing import Final, LiteralString, cast
 
+__all__ = ["QUERIES", "load"]
+
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
-def _load() -> dict[str, LiteralString]:
+def load(package: str, resource: str) -> dict[str, LiteralString]:
+    """The statements of a `-- name: x` headed SQL file shipped in `package`."""
     # A package resource, so an installed wheel (or a zip) finds it too.
-    text = (files("runpool") / "queries.sql").read_text(encoding="utf-8")
+    text = (files(package) / resource).read_text(encoding="utf-8")
     parts = _HEADER.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     return {
@@ -20,4 +24,4 @@ def _load() -> dict[str, LiteralString]:
     }
 
 
-QUERIES: Final[dict[str, LiteralString]] = _load()
+QUERIES: Final[dict[str, LiteralString]] = load("runpool", "queries.sql")

@@ -1,0 +1,176 @@
+"""create_app(): the ASGI application — the run API, and without a tenant_of the operator
+console and /metrics as well."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from importlib.resources import files
+from typing import Any, Final
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from runpool.db import SESSION_SETUP, configure, connect, connection_options
+from runpool.errors import InvalidInput, UsageError
+from runpool.migrate import check
+
+from . import api, console, metrics
+from .state import TenantOf, Web
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger("runpool.web")
+
+# Seconds any statement of the app may run: every query is bounded, so one that is not done
+# by then is stuck behind a lock, and the request is better answered with an error.
+STATEMENT_TIMEOUT: Final = "10s"
+# Database connections of one app (event streams hold their own, see events.py).
+POOL_SIZE: Final = 8
+# How often the operator app reads the event log into its tally (metrics, wait p95).
+TALLY_SECONDS: Final = 5.0
+
+# The app's sessions: runpool's session settings, and a bound on every statement.
+WEB_SESSION: Final = "SELECT set_config('statement_timeout', %s, false)"
+
+# The console's pages may only load what the app itself serves: no inline script, no CDN.
+CSP: Final = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:;"
+              " connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
+
+
+async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+    configure(conn)
+    await conn.set_autocommit(True)
+    await conn.execute(SESSION_SETUP)
+    await conn.execute(WEB_SESSION, (STATEMENT_TIMEOUT,))
+
+
+def _check_schema(dsn: str) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        check(conn)
+
+
+async def _tally_forever(web: Web) -> None:
+    """Keep the tally current, whether or not anyone scrapes."""
+    while True:
+        try:
+            async with web.connection() as conn:
+                read = await web.tally.refresh(conn)
+        except Exception as exc:  # the database may be away: try again next round
+            logger.warning("reading the event log failed: %r", exc,
+                           extra={"action": "tally_failed"})
+            read = 0
+        # A full page read means a backlog: read the next page at once.
+        if read < 50_000:
+            await asyncio.sleep(TALLY_SECONDS)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code,
+                            headers=exc.headers)
+    return PlainTextResponse(f"{exc.status_code}: {exc.detail}", status_code=exc.status_code)
+
+
+async def _invalid(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+async def _healthz(request: Request) -> Response:
+    web: Web = request.app.state.web
+    async with web.connection() as conn:
+        await conn.execute(web.sql["healthz"])
+    return PlainTextResponse("ok")
+
+
+def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Starlette:
+    """The run API over HTTP (see DESIGN.md, "HTTP: the run API and the web console").
+
+    dsn: the database (default RUNPOOL_DSN, else DATABASE_URL). tenant_of(request) -> str |
+    None, sync or async: every route acts for the tenant it returns (another tenant's run is
+    a 404, a None answer a 401), and the console and /metrics are not served. Without it the
+    app is the operator console over every tenant: serve it to operators only.
+    """
+    dsn = dsn or os.environ.get("RUNPOOL_DSN") or os.environ.get("DATABASE_URL")
+    if not dsn:
+        raise UsageError("create_app needs a dsn (or RUNPOOL_DSN / DATABASE_URL)")
+    web = Web(tenant_of)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Refuse to serve a schema this code does not match, as the pool does.
+        await asyncio.to_thread(_check_schema, dsn)
+        pool = AsyncConnectionPool(
+            dsn, min_size=1, max_size=POOL_SIZE, name="runpool-web", open=False,
+            kwargs={**connection_options(dsn), "application_name": "runpool-web"},
+            configure=_configure, max_idle=300)
+        await pool.open(wait=True, timeout=30)
+        web.pool = pool
+        tally = (asyncio.create_task(_tally_forever(web), name="runpool-web-tally")
+                 if tenant_of is None else None)
+        try:
+            yield
+        finally:
+            if tally is not None:
+                tally.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tally
+            await pool.close()
+
+    routes: list[BaseRoute] = [
+        Route("/healthz", _healthz),
+        Route("/api/runs", api.create_run, methods=["POST"]),
+        Route("/api/runs/{id}", api.read_run),
+        Route("/api/runs/{id}/cancel", api.cancel_run, methods=["POST"]),
+        Route("/api/runs/{id}/retry", api.retry_run, methods=["POST"]),
+    ]
+    if tenant_of is None:
+        static = files("runpool.web") / "static"
+        routes += [
+            Route("/metrics", metrics.metrics),
+            *console.routes(),
+            Mount("/static", StaticFiles(directory=str(static)), name="static"),
+        ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, middleware=[Middleware(_SecurityHeaders)],
+        exception_handlers={HTTPException: _http_error, InvalidInput: _invalid})
+    app.state.web = web
+    return app
+
+
+class _SecurityHeaders:
+    """Adds the console's security headers to every response (plain ASGI, so an event
+    stream passes through untouched)."""
+
+    HEADERS: Final = [
+        (b"content-security-policy", CSP.encode()),
+        (b"x-content-type-options", b"nosniff"),
+        (b"referrer-policy", b"no-referrer"),
+    ]
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *self.HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)

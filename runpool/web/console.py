@@ -1,0 +1,165 @@
+"""The operator console: server-rendered pages over bounded queries (console.sql), a little
+JavaScript for the live run page and the Retry and Cancel buttons (static/console.js)."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from runpool.errors import InvalidInput
+
+from .state import parse_run_id, web_of
+
+__all__ = ["PAGE_ROWS", "TENANT_CAP", "routes"]
+
+# Rows a list page shows; tenants a tenants page shows.
+PAGE_ROWS: Final = 100
+# A tenant's queued runs and dead letters are counted up to this many ("10000+").
+TENANT_CAP: Final = 10_000
+# A run page shows at most this many messages, tool calls and events (it says so).
+RUN_ROWS: Final = 500
+
+_FAR_FUTURE: Final = datetime(9999, 1, 1, tzinfo=UTC)
+
+
+def duration(seconds: float | None) -> str:
+    """A duration an operator reads at a glance: 850 ms, 12.4 s, 3 min 5 s, 2 h 10 min."""
+    if seconds is None or math.isnan(seconds):
+        return "–"
+    sign, s = ("-" if seconds < 0 else ""), abs(seconds)
+    if s < 1:
+        text = f"{s * 1000:.0f} ms"
+    elif s < 60:
+        text = f"{s:.1f} s"
+    elif s < 3600:
+        text = f"{int(s // 60)} min {int(s % 60)} s"
+    elif s < 86400:
+        text = f"{int(s // 3600)} h {int(s % 3600 // 60)} min"
+    else:
+        text = f"{int(s // 86400)} d {int(s % 86400 // 3600)} h"
+    return sign + text
+
+
+def when(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return str(value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
+
+
+def pretty(value: Any) -> str:
+    """Message content as text: a string as it is, anything else as indented JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+
+
+def short(run_id: Any) -> str:
+    """A run id's first eight characters: enough to tell runs on one page apart."""
+    return str(run_id)[:8]
+
+
+def capped(count: int, cap: bool) -> str:
+    return f"{count:,}+" if cap else f"{count:,}"
+
+
+_env = Environment(loader=PackageLoader("runpool.web", "templates"),
+                   autoescape=select_autoescape(default=True, default_for_string=True),
+                   trim_blocks=True, lstrip_blocks=True)
+_env.filters.update(duration=duration, when=when, pretty=pretty, short=short)
+_env.globals.update(capped=capped)
+
+
+def _page(request: Request, template: str, **context: Any) -> Response:
+    html = _env.get_template(template).render(path=request.url.path, **context)
+    return HTMLResponse(html, headers={"cache-control": "no-store"})
+
+
+async def tenants(request: Request) -> Response:
+    web = web_of(request)
+    after = request.query_params.get("after", "")
+    async with web.connection() as conn:
+        rows = await web.rows(conn, "tenants", {"after": after, "limit": PAGE_ROWS,
+                                                "cap": TENANT_CAP})
+        workers = await web.rows(conn, "live_workers", {})
+    for row in rows:
+        row["wait_p95_s"] = web.tally.wait_p95(row["tenant"])
+    more = rows[-1]["tenant"] if len(rows) == PAGE_ROWS else None
+    return _page(request, "tenants.html", tenants=rows, workers=workers[0], after=after,
+                 more=more, cap=TENANT_CAP)
+
+
+async def in_flight(request: Request) -> Response:
+    web = web_of(request)
+    async with web.connection() as conn:
+        rows = await web.rows(conn, "in_flight", {"limit": PAGE_ROWS})
+    return _page(request, "in_flight.html", runs=rows, limit=PAGE_ROWS)
+
+
+async def stuck(request: Request) -> Response:
+    web = web_of(request)
+    async with web.connection() as conn:
+        rows = await web.rows(conn, "stuck", {"limit": PAGE_ROWS})
+    return _page(request, "stuck.html", runs=rows, limit=PAGE_ROWS)
+
+
+async def dead_letters(request: Request) -> Response:
+    web = web_of(request)
+    tenant = request.query_params.get("tenant") or None
+    before_text = request.query_params.get("before") or ""
+    try:
+        before = datetime.fromisoformat(before_text) if before_text else _FAR_FUTURE
+    except ValueError:
+        raise InvalidInput(f"before: not an ISO 8601 time: {before_text[:60]!r}") from None
+    params = {"before": before, "limit": PAGE_ROWS, "tenant": tenant}
+    async with web.connection() as conn:
+        rows = await web.rows(conn, "dead_letters_of_tenant" if tenant else "dead_letters",
+                              params)
+    more = rows[-1]["finished_at"].isoformat() if len(rows) == PAGE_ROWS else None
+    return _page(request, "dead.html", runs=rows, tenant=tenant, more=more)
+
+
+async def workers(request: Request) -> Response:
+    web = web_of(request)
+    async with web.connection() as conn:
+        rows = await web.rows(conn, "workers", {"limit": PAGE_ROWS})
+    return _page(request, "workers.html", workers=rows)
+
+
+async def run_page(request: Request) -> Response:
+    web = web_of(request)
+    run_id = parse_run_id(request.path_params["id"])
+    params = {"id": run_id, "tenant": None, "limit": RUN_ROWS}
+    async with web.connection() as conn:
+        found = await web.rows(conn, "run", params)
+        if not found:
+            raise HTTPException(404, "no such run")
+        explain = await web.rows(conn, "explain", params)
+        messages = await web.rows(conn, "messages", params)
+        tool_calls = await web.rows(conn, "tool_calls", params)
+        events = await web.rows(conn, "run_events", params)
+    run = found[0]["run"]
+    return _page(request, "run.html", run=run, attempts_left=found[0]["attempts_left"],
+                 explain=explain[0]["explain_run"] if explain else None, messages=messages,
+                 tool_calls=tool_calls, events=events, limit=RUN_ROWS,
+                 terminal=run["status"] in ("succeeded", "failed", "cancelled"))
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/", tenants),
+        Route("/runs", in_flight),
+        Route("/runs/{id}", run_page),
+        Route("/stuck", stuck),
+        Route("/dead", dead_letters),
+        Route("/workers", workers),
+    ]

@@ -1,0 +1,170 @@
+-- The statements of the web console, the run API and /metrics. Each reads a bounded number of
+-- index entries (a LIMIT, a capped count, or a probe per tenant of one page), so a refresh
+-- costs the same with a million finished runs as with none: nothing here scans history.
+
+-- name: tenants
+-- One page of tenants (by name, after %(after)s) with their quota, live runs and capped
+-- counts: queued runs that can start now ('ready') and those that cannot yet ('waiting':
+-- scheduled, in retry backoff, behind their serial key, or of a paused tenant), dead letters,
+-- and when the oldest ready run became available. Each count stops at %(cap)s.
+SELECT t.tenant,
+       coalesce(t.max_running, c.default_quota) AS quota,
+       t.max_running IS NULL AS default_quota,
+       q.ready, q.waiting, q.total >= %(cap)s AS queued_capped,
+       (SELECT count(*) FROM runpool.runs r
+        WHERE r.tenant = t.tenant AND r.status = 'running'
+          AND r.lease_expires_at > now()) AS running,
+       (SELECT count(*) FROM runpool.runs r
+        WHERE r.tenant = t.tenant AND r.status = 'running'
+          AND r.lease_expires_at <= now()) AS stuck,
+       f.failed, f.failed >= %(cap)s AS failed_capped,
+       extract(epoch FROM now() - (
+           SELECT min(r.available_at) FROM runpool.runs r
+           WHERE r.tenant = t.tenant AND r.status = 'queued' AND NOT r.held AND NOT r.paused
+             AND r.available_at <= now()))::float8 AS oldest_wait_s
+FROM runpool.tenants t
+CROSS JOIN runpool.config c
+CROSS JOIN LATERAL (
+    -- Index-only (runs_queued_tenant includes held and paused), at most %(cap)s entries.
+    SELECT count(*) AS total,
+           count(*) FILTER (WHERE NOT x.held AND NOT x.paused AND x.available_at <= now())
+           AS ready,
+           count(*) FILTER (WHERE x.held OR x.paused OR x.available_at > now()) AS waiting
+    FROM (SELECT r.held, r.paused, r.available_at FROM runpool.runs r
+          WHERE r.tenant = t.tenant AND r.status = 'queued' LIMIT %(cap)s) x
+) q
+CROSS JOIN LATERAL (
+    SELECT count(*) AS failed
+    FROM (SELECT 1 FROM runpool.runs r
+          WHERE r.tenant = t.tenant AND r.status = 'failed' LIMIT %(cap)s) x
+) f
+WHERE t.tenant > %(after)s
+ORDER BY t.tenant
+LIMIT %(limit)s;
+
+-- name: in_flight
+-- Runs holding a lease, the one that runs out first first: how long each has run, its lease
+-- left (negative: stuck, reclaimed by the next claim) and its worker.
+SELECT r.id, r.tenant, r.handler, r.attempt, r.worker_id, w.host, w.pid,
+       extract(epoch FROM now() - r.started_at)::float8 AS running_s,
+       extract(epoch FROM r.lease_expires_at - now())::float8 AS lease_left_s,
+       r.cancel_requested_at IS NOT NULL AS cancelling
+FROM runpool.runs r
+LEFT JOIN runpool.workers w ON w.id = r.worker_id
+WHERE r.status = 'running'
+ORDER BY r.lease_expires_at
+LIMIT %(limit)s;
+
+-- name: stuck
+-- Runs whose lease ran out and that no claim reclaimed yet (their worker stopped renewing:
+-- hung, frozen, or cut off), the longest stuck first.
+SELECT r.id, r.tenant, r.handler, r.attempt, r.worker_id, w.host, w.pid,
+       w.last_seen_at, extract(epoch FROM now() - r.lease_expires_at)::float8 AS stuck_s,
+       r.cancel_requested_at IS NOT NULL AS cancelling
+FROM runpool.runs r
+LEFT JOIN runpool.workers w ON w.id = r.worker_id
+WHERE r.status = 'running' AND r.lease_expires_at < now()
+ORDER BY r.lease_expires_at
+LIMIT %(limit)s;
+
+-- name: dead_letters
+-- One page of the dead-letter list (failed runs), newest first, before %(before)s.
+SELECT r.id, r.tenant, r.handler, r.attempt, r.finished_at,
+       r.error ->> 'reason' AS reason, left(r.error ->> 'message', 300) AS message
+FROM runpool.runs r
+WHERE r.status = 'failed' AND r.finished_at < %(before)s
+ORDER BY r.finished_at DESC
+LIMIT %(limit)s;
+
+-- name: dead_letters_of_tenant
+-- The same page for one tenant (runs_failed_tenant).
+SELECT r.id, r.tenant, r.handler, r.attempt, r.finished_at,
+       r.error ->> 'reason' AS reason, left(r.error ->> 'message', 300) AS message
+FROM runpool.runs r
+WHERE r.tenant = %(tenant)s AND r.status = 'failed' AND r.finished_at < %(before)s
+ORDER BY r.finished_at DESC
+LIMIT %(limit)s;
+
+-- name: workers
+-- Live workers (seen within two minutes, not stopped), with the runs each holds: the running
+-- runs are counted once, not once per worker.
+SELECT w.id, w.host, w.pid, w.concurrency, w.handlers, w.started_at, w.last_seen_at,
+       extract(epoch FROM now() - w.last_seen_at)::float8 AS seen_s,
+       coalesce(h.running, 0) AS running
+FROM runpool.workers w
+LEFT JOIN (SELECT r.worker_id, count(*) AS running FROM runpool.runs r
+           WHERE r.status = 'running' GROUP BY r.worker_id) h ON h.worker_id = w.id
+WHERE w.stopped_at IS NULL AND w.last_seen_at > now() - interval '2 minutes'
+ORDER BY w.started_at
+LIMIT %(limit)s;
+
+-- name: run
+-- One run, as a JSON object of its columns (those a later migration adds, such as usage,
+-- included), or nothing when it belongs to another tenant than %(tenant)s (NULL: any).
+SELECT to_jsonb(r) - 'rank' - 'serial_order' - 'attempt_offset' AS run,
+       r.max_attempts - (r.attempt - r.attempt_offset) AS attempts_left
+FROM runpool.runs r
+WHERE r.id = %(id)s AND (r.tenant = %(tenant)s::text OR %(tenant)s::text IS NULL);
+
+-- name: messages
+-- The start of a run's conversation, oldest first.
+SELECT seq, role, content, attempt, call_id, created_at
+FROM runpool.messages WHERE run_id = %(id)s
+ORDER BY seq
+LIMIT %(limit)s;
+
+-- name: tool_calls
+-- A run's tool calls, in the order they started.
+SELECT call_id, name, arguments, status, result, attempt, executions, started_at, finished_at
+FROM runpool.tool_calls WHERE run_id = %(id)s
+ORDER BY started_at, call_id
+LIMIT %(limit)s;
+
+-- name: run_events
+-- A run's state changes, oldest first.
+SELECT at, kind, attempt, worker_id, detail
+FROM runpool.run_events WHERE run_id = %(id)s
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: explain
+-- explain_run's answer for a run (the tenant-scoped variant: NULL for another tenant's run).
+SELECT runpool.explain_run(%(id)s, %(tenant)s::text);
+
+-- name: cancel
+-- cancel_run's answer (NULL: no such run, or another tenant's).
+SELECT runpool.cancel_run(%(id)s, %(reason)s::text, %(tenant)s::text);
+
+-- name: retry
+-- retry_run's answer (NULL: no such run, or another tenant's).
+SELECT runpool.retry_run(%(id)s, %(tenant)s::text);
+
+-- name: live_workers
+-- How many workers are live, and their run slots.
+SELECT count(*) AS workers, coalesce(sum(w.concurrency), 0) AS slots
+FROM runpool.workers w
+WHERE w.stopped_at IS NULL AND w.last_seen_at > now() - interval '2 minutes';
+
+-- name: event_mark
+-- Where the event log ends now: counting starts here (the history before is not read).
+SELECT coalesce(max(id), 0) FROM runpool.run_events;
+
+-- name: events_since
+-- The next events after %(mark)s, in id order, with the run's tenant and handler and the
+-- timings the histograms need: at most %(limit)s per read (the rest come in the next one).
+-- Every value is read from the run as it is now: a run retried since has another started_at,
+-- so a timing that comes out negative is not observed.
+SELECT e.id, e.kind, e.at >= now() - %(lag)s * interval '1 second' AS recent,
+       e.attempt, e.detail ->> 'reason' AS reason, r.tenant, r.handler,
+       extract(epoch FROM e.at - r.created_at)::float8 AS since_created,
+       extract(epoch FROM e.at - r.started_at)::float8 AS since_started,
+       extract(epoch FROM e.at - r.cancel_requested_at)::float8 AS since_cancel
+FROM runpool.run_events e
+LEFT JOIN runpool.runs r ON r.id = e.run_id
+WHERE e.id > %(mark)s
+ORDER BY e.id
+LIMIT %(limit)s;
+
+-- name: healthz
+-- The database answers, and says when.
+SELECT now();

@@ -1,0 +1,103 @@
+"""What every route of the web app shares: the connection pool, the tenant scope, the SQL."""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from typing import Any, Final, LiteralString
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from runpool.errors import InvalidInput
+from runpool.queries import load
+
+from .tally import Tally
+
+__all__ = ["SQL", "TenantOf", "Web", "jsonable", "parse_run_id", "web_of"]
+
+SQL: Final = load("runpool.web", "console.sql")
+
+# tenant_of(request): the tenant a request acts for (None: refused), sync or async.
+TenantOf = Callable[[Request], "str | Awaitable[str | None] | None"]
+
+# Seconds a request may wait for a free connection before it is answered 503.
+CHECKOUT_SECONDS: Final = 5.0
+
+
+@dataclass
+class Web:
+    """The app's shared state; `pool` is set by the app's lifespan."""
+
+    tenant_of: TenantOf | None
+    sql: dict[str, LiteralString] = field(default_factory=lambda: SQL)
+    tally: Tally = field(default_factory=Tally)
+    pool: AsyncConnectionPool | None = None
+    # Open event streams per tenant (None: the operator), for their caps.
+    streams: dict[str | None, int] = field(default_factory=dict)
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        assert self.pool is not None, "the app's lifespan did not run"
+        try:
+            async with self.pool.connection(timeout=CHECKOUT_SECONDS) as conn:
+                yield conn
+        except PoolTimeout:
+            raise HTTPException(503, "the database is busy: no connection free; try again"
+                                ) from None
+
+    async def rows(self, conn: psycopg.AsyncConnection[Any], name: str,
+                   params: dict[str, Any]) -> list[dict[str, Any]]:
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(self.sql[name], params)
+        return await cur.fetchall()
+
+    async def scope(self, request: Request) -> str | None:
+        """The tenant this request is confined to; None in the operator console. A product's
+        tenant_of answering None is a 401."""
+        if self.tenant_of is None:
+            return None
+        tenant = self.tenant_of(request)
+        if inspect.isawaitable(tenant):
+            tenant = await tenant
+        if tenant is None:
+            raise HTTPException(401, "not authenticated")
+        if not isinstance(tenant, str):
+            raise TypeError(f"tenant_of must return a str or None, not {type(tenant).__name__}")
+        return tenant
+
+
+def web_of(request: Request) -> Web:
+    web: Web = request.app.state.web
+    return web
+
+
+def parse_run_id(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise InvalidInput(f"id: not a run id (a UUID): {text[:100]!r}") from None
+
+
+def jsonable(value: Any) -> Any:
+    """A database value as JSON: times as ISO 8601, UUIDs as text."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    return value
+
