@@ -28,6 +28,7 @@ from runpool.migrate import check
 
 from . import api, console, metrics
 from .state import TenantOf, Web
+from .tally import READ_LIMIT
 
 __all__ = ["create_app"]
 
@@ -72,7 +73,7 @@ async def _tally_forever(web: Web) -> None:
                            extra={"action": "tally_failed"})
             read = 0
         # A full page read means a backlog: read the next page at once.
-        if read < 50_000:
+        if read < READ_LIMIT:
             await asyncio.sleep(TALLY_SECONDS)
 
 

@@ -117,6 +117,8 @@ class _Families(Collector):
 
 async def snapshot(web: Web) -> Snapshot:
     async with web.connection() as conn:
+        # Bounded (tally.READ_LIMIT events); the background task keeps the rest small.
+        await web.tally.refresh(conn)
         cur = await conn.execute(web.sql["live_workers"])
         workers = await cur.fetchone()
         tenants = await web.rows(conn, "tenants", {"after": "", "limit": MAX_TENANTS,

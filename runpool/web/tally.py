@@ -69,6 +69,8 @@ Key = tuple[str, ...]
 class Tally:
     """What the events read so far add up to. Written only by refresh(), under its lock."""
 
+    # Seconds an event's transaction must have begun before it is counted.
+    lag: float = LAG
     mark: int | None = None
     started: dict[Key, int] = field(default_factory=dict)  # (tenant, handler)
     finished: dict[Key, int] = field(default_factory=dict)  # (tenant, handler, outcome)
@@ -92,7 +94,7 @@ class Tally:
                 return 0
             dcur = conn.cursor(row_factory=dict_row)
             await dcur.execute(SQL["events_since"],
-                               {"mark": self.mark, "limit": READ_LIMIT, "lag": LAG})
+                               {"mark": self.mark, "limit": READ_LIMIT, "lag": self.lag})
             return self.add(await dcur.fetchall())
 
     def add(self, rows: Iterable[dict[str, Any]]) -> int:

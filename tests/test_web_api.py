@@ -1,0 +1,161 @@
+"""runpool.web's run API through a real uvicorn server on a real database: each route, tenant
+scoping, bad input (a 400 naming the field, nothing written)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from starlette.requests import Request
+
+from runpool.web import create_app
+from tests.helpers import scalar, status_of
+from tests.webserver import serving
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture
+def console(dsn: str) -> Iterator[httpx.Client]:
+    """The operator app (no tenant_of), served."""
+    with serving(create_app(dsn)) as url, httpx.Client(base_url=url, headers=JSON,
+                                                       timeout=20) as client:
+        yield client
+
+
+def _tenant_from_header(request: Request) -> str | None:
+    return request.headers.get("x-tenant")
+
+
+async def _tenant_async(request: Request) -> str | None:
+    return request.headers.get("x-tenant")
+
+
+def _runs(conn: psycopg.Connection[Any]) -> int:
+    return int(scalar(conn, "SELECT count(*) FROM runpool.runs"))
+
+
+def test_web_api_routes__create_read_cancel_retry(console: httpx.Client, conn) -> None:
+    made = console.post("/api/runs", json={
+        "tenant": "acme", "handler": "noop", "input": {"q": "ünïcode", "n": [1, 2]},
+        "priority": 5, "idempotency_key": "k1", "run_at": "2030-01-01T00:00:00+00:00",
+        "max_attempts": 2, "serial_key": None})
+    assert made.status_code == 201, made.text
+    run_id = made.json()["id"]
+    # The idempotency key answers the same run.
+    again = console.post("/api/runs", json={"tenant": "acme", "handler": "noop",
+                                            "idempotency_key": "k1"})
+    assert again.json()["id"] == run_id
+    assert _runs(conn) == 1
+
+    run = console.get(f"/api/runs/{run_id}").json()
+    assert run["status"] == "queued" and run["tenant"] == "acme" and run["priority"] == 5
+    assert run["input"] == {"q": "ünïcode", "n": [1, 2]} and run["max_attempts"] == 2
+    assert run["attempts_left"] == 2 and run["created_at"] and run["result"] is None
+    assert "rank" not in run and "serial_order" not in run  # internals stay inside
+
+    cancelled = console.post(f"/api/runs/{run_id}/cancel", json={"reason": "changed my mind"})
+    assert cancelled.json() == {"status": "cancelled"}
+    assert console.get(f"/api/runs/{run_id}").json()["cancel_reason"] == "changed my mind"
+    # An empty body is fine too, and a repeated cancel says what happened.
+    assert console.post(f"/api/runs/{run_id}/cancel").json() == {"status": "cancelled"}
+    assert console.post(f"/api/runs/{run_id}/retry").json() == {"status": "queued"}
+    assert status_of(conn, uuid.UUID(run_id)) == "queued"
+    assert console.post(f"/api/runs/{run_id}/retry").json() == {"status": "queued"}
+
+    missing = uuid.uuid4()
+    for path in (f"/api/runs/{missing}", ):
+        assert console.get(path).status_code == 404
+    for action in ("cancel", "retry"):
+        answer = console.post(f"/api/runs/{missing}/{action}")
+        assert answer.status_code == 404 and answer.json() == {"error": "no such run"}
+
+    assert console.get("/healthz").text == "ok"
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"handler": "noop"}, "tenant"),
+    ({"tenant": "acme"}, "handler"),
+    ({"tenant": "acme", "handler": ""}, "handler"),
+    ({"tenant": "a" * 201, "handler": "noop"}, "tenant"),
+    ({"tenant": 7, "handler": "noop"}, "tenant"),
+    ({"tenant": "acme", "handler": "noop", "priority": "high"}, "priority"),
+    ({"tenant": "acme", "handler": "noop", "priority": True}, "priority"),
+    ({"tenant": "acme", "handler": "noop", "priority": 101}, "priority"),
+    ({"tenant": "acme", "handler": "noop", "priority": 1.5}, "priority"),
+    ({"tenant": "acme", "handler": "noop", "max_attempts": 0}, "max_attempts"),
+    ({"tenant": "acme", "handler": "noop", "run_at": "tomorrow"}, "run_at"),
+    ({"tenant": "acme", "handler": "noop", "run_at": "2030-01-01T00:00:00"}, "run_at"),
+    ({"tenant": "acme", "handler": "noop", "run_at": "9999-01-01T00:00:00Z"}, "run_at"),
+    ({"tenant": "acme", "handler": "noop", "idempotency_key": ["x"]}, "idempotency_key"),
+    ({"tenant": "acme", "handler": "noop", "serial_key": ""}, "serial_key"),
+    ({"tenant": "acme", "handler": "noop", "input": "\u0000"}, "NUL"),
+    ({"tenant": "ac\u0000me", "handler": "noop"}, "tenant"),
+    ({"tenant": "acme", "handler": "noop", "input": {"blob": "x" * 1_100_000}}, "input"),
+    ({"tenant": "acme", "handler": "noop", "tenat": "typo"}, "tenat"),
+    (["tenant", "acme"], "body"),
+])
+def test_web_api_bad_input__400_naming_the_field_and_nothing_written(
+        console: httpx.Client, conn, body: Any, field: str) -> None:
+    answer = console.post("/api/runs", json=body)
+    assert answer.status_code == 400, answer.text
+    assert field in answer.json()["error"], answer.json()
+    assert _runs(conn) == 0
+
+
+def test_web_api_bad_requests__clear_errors_nothing_written(console: httpx.Client, conn
+                                                            ) -> None:
+    assert console.post("/api/runs", content=b"{not json").status_code == 400
+    # Not JSON-typed: refused (another site's form could send it), nothing written.
+    plain = console.post("/api/runs", content=b'{"tenant": "a", "handler": "noop"}',
+                         headers={"content-type": "text/plain"})
+    assert plain.status_code == 415 and "application/json" in plain.json()["error"]
+    huge = console.post("/api/runs", content=b'{"input": "' + b"x" * (9 << 20) + b'"}')
+    assert huge.status_code == 413
+    bad_id = console.get("/api/runs/not-a-uuid")
+    assert bad_id.status_code == 400 and bad_id.json()["error"].startswith("id:")
+    made = console.post("/api/runs", json={"tenant": "acme", "handler": "noop"}).json()["id"]
+    reason = console.post(f"/api/runs/{made}/cancel", json={"reason": 5})
+    assert reason.status_code == 400 and "reason" in reason.json()["error"]
+    long = console.post(f"/api/runs/{made}/cancel", json={"reason": "r" * 2001})
+    assert long.status_code == 400 and "reason" in long.json()["error"]
+    assert console.post(f"/api/runs/{made}/cancel", json={"why": "x"}).status_code == 400
+    assert status_of(conn, uuid.UUID(made)) == "queued"  # none of those cancelled it
+    assert _runs(conn) == 1
+
+
+@pytest.mark.parametrize("tenant_of", [_tenant_from_header, _tenant_async])
+def test_web_api_tenant_of__scopes_every_route(dsn: str, conn, tenant_of: Any) -> None:
+    other = conn.execute("SELECT runpool.enqueue('globex', 'noop')").fetchone()[0]
+    with serving(create_app(dsn, tenant_of=tenant_of)) as url, \
+            httpx.Client(base_url=url, headers=JSON, timeout=20) as client:
+        acme = {"x-tenant": "acme"}
+        # The body's tenant is ignored: the run is acme's.
+        made = client.post("/api/runs", json={"tenant": "globex", "handler": "noop"},
+                           headers=acme)
+        assert made.status_code == 201, made.text
+        mine = made.json()["id"]
+        assert client.get(f"/api/runs/{mine}", headers=acme).json()["tenant"] == "acme"
+        # Another tenant's run is exactly a missing one, on every route.
+        assert client.get(f"/api/runs/{other}", headers=acme).status_code == 404
+        assert client.post(f"/api/runs/{other}/cancel", headers=acme).status_code == 404
+        assert client.post(f"/api/runs/{other}/retry", headers=acme).status_code == 404
+        assert client.get(f"/api/runs/{mine}", headers={"x-tenant": "globex"}
+                          ).status_code == 404
+        assert status_of(conn, other) == "queued"
+        # No tenant: 401 everywhere, nothing written.
+        assert client.post("/api/runs", json={"tenant": "acme", "handler": "noop"}
+                           ).status_code == 401
+        assert client.get(f"/api/runs/{mine}").status_code == 401
+        assert _runs(conn) == 2
+        # The console and /metrics are not served; /healthz is.
+        for path in ("/", "/runs", f"/runs/{mine}", "/dead", "/workers", "/metrics",
+                     "/static/console.js"):
+            assert client.get(path, headers=acme).status_code == 404, path
+        assert client.get("/healthz").status_code == 200
+        assert client.post(f"/api/runs/{mine}/cancel", headers=acme).json() == {
+            "status": "cancelled"}
