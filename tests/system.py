@@ -16,7 +16,8 @@ def require_program(path: str, package: str) -> str:
     """path, if that program is installed; otherwise skip (or fail, when required)."""
     if Path(path).is_file() and os.access(path, os.X_OK):
         return path
-    message = f"{path} is missing: install the Debian package {package!r} (apt-get install {package})"
+    message = (f"{path} is missing: install the Debian package {package!r}"
+               f" (apt-get install {package})")
     if os.environ.get("RUNPOOL_TEST_REQUIRE_SYSTEM") == "1":
         pytest.fail(f"{message}; RUNPOOL_TEST_REQUIRE_SYSTEM=1 requires it")
     pytest.skip(message)

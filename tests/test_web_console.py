@@ -78,7 +78,7 @@ def test_console_pages__tenants_in_flight_stuck_dead_letters_workers_run(dsn: st
             assert globex["failed"] == "1" and globex["waiting"] == "3", globex
             assert globex["queued"] == "1", globex  # the unserved run: ready, never claimed
 
-            (worker_id, pid), = live_workers(conn)
+            ((_, pid),) = live_workers(conn)
             in_flight = client.get("/runs").text
             for run_id in holding:
                 assert f"/runs/{run_id}" in in_flight
