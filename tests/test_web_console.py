@@ -131,11 +131,11 @@ def test_metrics__queue_depth_counters_histograms_and_workers(dsn: str, conn) ->
             conn.execute("SELECT runpool.cancel_run(%s, 'enough')", (held,))
             wait_for(lambda: status_of(conn, held) == "cancelled", what="the cancel")
 
-            def scraped() -> dict[Any, float] | None:
+            def scraped() -> dict[Any, float]:
                 got = _samples(client.get("/metrics").text)
                 done = got.get(("runpool_runs_finished_total", (
                     ("handler", "noop"), ("outcome", "succeeded"), ("tenant", "acme"))))
-                return got if done == 3 and got.get(("runpool_workers", ())) == 1 else None
+                return got if done == 3 and got.get(("runpool_workers", ())) == 1 else {}
 
             after = wait_for(scraped, what="the finished runs in /metrics")
         key = (("handler", "fails"), ("outcome", "failed"), ("tenant", "acme"))
