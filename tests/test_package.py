@@ -112,7 +112,9 @@ def test_wheel__carries_every_module_migration_query_file_and_marker(wheel: Path
     for package in ("runpool", "checkpoints"):
         for path in (ROOT / package).rglob("*"):
             rel = path.relative_to(ROOT)
-            if path.suffix in (".py", ".sql") and "migrations" not in rel.parts \
+            # The web console's templates and static files ship as package data.
+            if path.suffix in (".py", ".sql", ".html", ".css", ".js") \
+                    and "migrations" not in rel.parts \
                     and "__pycache__" not in rel.parts:
                 expected.add(rel.as_posix())
     # The one copy of the SQL is the top-level migrations/ directory; all of it ships.
@@ -157,6 +159,16 @@ def test_installed_wheel__migrates_an_empty_database_and_runs_a_run(
     script = subprocess.run([str(venv.parent / "runpool"), "--version"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=60)
     assert script.stdout.strip() == f"runpool {runpool.__version__}", script.stderr
+
+    # The web console finds its templates and static files in the installed package.
+    web = subprocess.run(
+        [str(venv), "-c", "from importlib.resources import files; import runpool.web.console as c;"
+         " c.TEMPLATES.get_template('run.html');"
+         " print((files('runpool.web') / 'static' / 'console.js').is_file(), c.__file__)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert web.returncode == 0, web.stderr
+    shown, where_web = web.stdout.split()
+    assert shown == "True" and Path(where_web).is_relative_to(venv.parent.parent)
 
     out = runpool_cmd("migrate")
     assert out.returncode == 0, out.stderr

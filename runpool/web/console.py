@@ -18,7 +18,7 @@ from runpool.errors import InvalidInput
 
 from .state import parse_run_id, web_of
 
-__all__ = ["PAGE_ROWS", "TENANT_CAP", "routes"]
+__all__ = ["PAGE_ROWS", "TEMPLATES", "TENANT_CAP", "routes"]
 
 # Rows a list page shows; tenants a tenants page shows.
 PAGE_ROWS: Final = 100
@@ -72,15 +72,15 @@ def capped(count: int, cap: bool) -> str:
     return f"{count:,}+" if cap else f"{count:,}"
 
 
-_env = Environment(loader=PackageLoader("runpool.web", "templates"),
+TEMPLATES = Environment(loader=PackageLoader("runpool.web", "templates"),
                    autoescape=select_autoescape(default=True, default_for_string=True),
                    trim_blocks=True, lstrip_blocks=True)
-_env.filters.update(duration=duration, when=when, pretty=pretty, short=short)
-_env.globals.update(capped=capped)
+TEMPLATES.filters.update(duration=duration, when=when, pretty=pretty, short=short)
+TEMPLATES.globals.update(capped=capped)
 
 
 def _page(request: Request, template: str, **context: Any) -> Response:
-    html = _env.get_template(template).render(path=request.url.path, **context)
+    html = TEMPLATES.get_template(template).render(path=request.url.path, **context)
     return HTMLResponse(html, headers={"cache-control": "no-store"})
 
 
