@@ -26,7 +26,7 @@ from runpool.db import SESSION_SETUP, configure, connect, connection_options
 from runpool.errors import InvalidInput, UsageError
 from runpool.migrate import check
 
-from . import api, console, metrics
+from . import api, console, events, metrics
 from .state import TenantOf, Web
 from .tally import READ_LIMIT
 
@@ -107,7 +107,7 @@ def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Sta
     dsn = dsn or os.environ.get("RUNPOOL_DSN") or os.environ.get("DATABASE_URL")
     if not dsn:
         raise UsageError("create_app needs a dsn (or RUNPOOL_DSN / DATABASE_URL)")
-    web = Web(tenant_of)
+    web = Web(dsn, tenant_of)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -134,6 +134,7 @@ def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Sta
         Route("/healthz", _healthz),
         Route("/api/runs", api.create_run, methods=["POST"]),
         Route("/api/runs/{id}", api.read_run),
+        Route("/api/runs/{id}/events", events.run_events),
         Route("/api/runs/{id}/cancel", api.cancel_run, methods=["POST"]),
         Route("/api/runs/{id}/retry", api.retry_run, methods=["POST"]),
     ]

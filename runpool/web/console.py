@@ -139,7 +139,8 @@ async def run_page(request: Request) -> Response:
     web = web_of(request)
     run_id = parse_run_id(request.path_params["id"])
     params = {"id": run_id, "tenant": None, "limit": RUN_ROWS}
-    async with web.connection() as conn:
+    async with web.connection() as conn, conn.transaction():
+        await conn.execute(web.sql["snapshot"])
         found = await web.rows(conn, "run", params)
         if not found:
             raise HTTPException(404, "no such run")
@@ -149,8 +150,9 @@ async def run_page(request: Request) -> Response:
         events = await web.rows(conn, "run_events", params)
     run = found[0]["run"]
     return _page(request, "run.html", run=run, attempts_left=found[0]["attempts_left"],
-                 explain=explain[0]["explain_run"] if explain else None, messages=messages,
-                 tool_calls=tool_calls, events=events, limit=RUN_ROWS,
+                 explain=explain[0]["explain_run"] if explain else None,
+                 messages=messages[::-1], tool_calls=tool_calls[::-1], events=events,
+                 limit=RUN_ROWS, after=run.get("event_seq", 0),
                  terminal=run["status"] in ("succeeded", "failed", "cancelled"))
 
 

@@ -108,18 +108,23 @@ FROM runpool.runs r
 WHERE r.id = %(id)s AND (r.tenant = %(tenant)s::text OR %(tenant)s::text IS NULL);
 
 -- name: messages
--- The start of a run's conversation, oldest first.
+-- The end of a run's conversation (the live page follows on from it), newest first.
 SELECT seq, role, content, attempt, call_id, created_at
 FROM runpool.messages WHERE run_id = %(id)s
-ORDER BY seq
+ORDER BY seq DESC
 LIMIT %(limit)s;
 
 -- name: tool_calls
--- A run's tool calls, in the order they started.
+-- A run's latest tool calls, newest first.
 SELECT call_id, name, arguments, status, result, attempt, executions, started_at, finished_at
 FROM runpool.tool_calls WHERE run_id = %(id)s
-ORDER BY started_at, call_id
+ORDER BY started_at DESC, call_id DESC
 LIMIT %(limit)s;
+
+-- name: snapshot
+-- The run page reads in one snapshot: the events it shows and the seq its live stream
+-- starts after (runs.event_seq, 0008) agree.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY;
 
 -- name: run_events
 -- A run's state changes, oldest first.

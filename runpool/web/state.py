@@ -37,6 +37,7 @@ CHECKOUT_SECONDS: Final = 5.0
 class Web:
     """The app's shared state; `pool` is set by the app's lifespan."""
 
+    dsn: str
     tenant_of: TenantOf | None
     sql: dict[str, LiteralString] = field(default_factory=lambda: SQL)
     tally: Tally = field(default_factory=Tally)

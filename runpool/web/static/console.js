@@ -87,19 +87,14 @@ function followRun() {
   const page = document.getElementById("run");
   const live = document.getElementById("live");
   if (stream) stream.close();
-  // Replays the run's stored events, then follows it; the browser resumes after a cut with
-  // Last-Event-ID, so nothing is missed and nothing comes twice.
-  stream = new EventSource(`/api/runs/${page.dataset.run}/events`);
+  // Follows on from what the server rendered (data-after: the seq of its last event); the
+  // browser resumes a cut stream with Last-Event-ID: nothing is missed, nothing comes twice.
+  stream = new EventSource(`/api/runs/${page.dataset.run}/events?after=${page.dataset.after}`);
   live.textContent = "● live";
-  // The stream starts with the whole story: what the server rendered is replaced by it.
-  let replaying = true;
   const handle = (kind, fn) => stream.addEventListener(kind, (e) => {
-    if (replaying) {
-      replaying = false;
-      document.getElementById("conversation").replaceChildren();
-      document.querySelector("#tool-calls tbody").replaceChildren();
-    }
-    fn(JSON.parse(e.data));
+    const ev = JSON.parse(e.data);
+    page.dataset.after = ev.seq;
+    fn(ev);
   });
   handle("message", addMessage);
   handle("tool_call", setToolCall);
