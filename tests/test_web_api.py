@@ -159,3 +159,38 @@ def test_web_api_tenant_of__scopes_every_route(dsn: str, conn, tenant_of: Any) -
         assert client.get("/healthz").status_code == 200
         assert client.post(f"/api/runs/{mine}/cancel", headers=acme).json() == {
             "status": "cancelled"}
+
+
+def test_web_app_mounted_in_a_service__api_and_console_under_their_prefixes(dsn: str, conn
+                                                                             ) -> None:
+    """A product mounts the API (Starlette runs no lifespan of a mounted app: the pool opens
+    at the first request); the console mounted under a prefix links within it."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Mount, Route
+
+    async def home(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("product")
+
+    service = Starlette(routes=[
+        Route("/", home),
+        Mount("/runs-api", create_app(dsn, tenant_of=_tenant_from_header)),
+        Mount("/ops", create_app(dsn)),
+    ])
+    with serving(service) as url, httpx.Client(base_url=url, headers=JSON,
+                                               timeout=20) as client:
+        assert client.get("/").text == "product"
+        made = client.post("/runs-api/api/runs", json={"handler": "noop"},
+                           headers={"x-tenant": "acme"})
+        assert made.status_code == 201, made.text
+        run_id = made.json()["id"]
+        assert client.get(f"/runs-api/api/runs/{run_id}", headers={"x-tenant": "acme"}
+                          ).json()["tenant"] == "acme"
+        assert client.get("/runs-api/").status_code == 404  # no console in tenant mode
+        console = client.get("/ops/").text
+        assert 'href="/ops/runs"' in console and 'src="/ops/static/console.js"' in console
+        assert 'data-tenant="acme"' in console
+        assert client.get("/ops/static/console.js").status_code == 200
+        run_page = client.get(f"/ops/runs/{run_id}").text
+        assert 'data-root="/ops"' in run_page and 'class="here"' not in run_page
+        assert _runs(conn) == 1

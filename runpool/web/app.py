@@ -109,8 +109,7 @@ def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Sta
         raise UsageError("create_app needs a dsn (or RUNPOOL_DSN / DATABASE_URL)")
     web = Web(dsn, tenant_of)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def open_pool() -> AsyncConnectionPool:
         # Refuse to serve a schema this code does not match, as the pool does.
         await asyncio.to_thread(_check_schema, dsn)
         pool = AsyncConnectionPool(
@@ -118,17 +117,22 @@ def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Sta
             kwargs={**connection_options(dsn), "application_name": "runpool-web"},
             configure=_configure, max_idle=300)
         await pool.open(wait=True, timeout=30)
-        web.pool = pool
-        tally = (asyncio.create_task(_tally_forever(web), name="runpool-web-tally")
-                 if tenant_of is None else None)
+        if tenant_of is None:
+            web.tally_task = asyncio.create_task(_tally_forever(web), name="runpool-web-tally")
+        return pool
+
+    web.open_pool = open_pool
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Served on its own (python -m runpool ui, uvicorn): open now, close at shutdown.
+        # Mounted in another app, whose lifespan this is not, it opens at the first request.
+        async with web.connection():
+            pass
         try:
             yield
         finally:
-            if tally is not None:
-                tally.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await tally
-            await pool.close()
+            await web.close()
 
     routes: list[BaseRoute] = [
         Route("/healthz", _healthz),

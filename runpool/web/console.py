@@ -18,12 +18,14 @@ from runpool.errors import InvalidInput
 
 from .state import parse_run_id, web_of
 
-__all__ = ["PAGE_ROWS", "TEMPLATES", "TENANT_CAP", "routes"]
+__all__ = ["FAILED_CAP", "PAGE_ROWS", "TEMPLATES", "TENANT_CAP", "routes"]
 
 # Rows a list page shows; tenants a tenants page shows.
 PAGE_ROWS: Final = 100
-# A tenant's queued runs and dead letters are counted up to this many ("10000+").
+# A tenant's queued runs are counted up to this many ("10,000+"), its runs failed in the
+# last day up to FAILED_CAP.
 TENANT_CAP: Final = 10_000
+FAILED_CAP: Final = 1000
 # A run page shows at most this many messages, tool calls and events (it says so).
 RUN_ROWS: Final = 500
 
@@ -80,7 +82,10 @@ TEMPLATES.globals.update(capped=capped)
 
 
 def _page(request: Request, template: str, **context: Any) -> Response:
-    html = TEMPLATES.get_template(template).render(path=request.url.path, **context)
+    # Mounted under a prefix (root_path), every link and script carries it.
+    root = request.scope.get("root_path", "")
+    html = TEMPLATES.get_template(template).render(
+        root=root, path=request.url.path.removeprefix(root) or "/", **context)
     return HTMLResponse(html, headers={"cache-control": "no-store"})
 
 
@@ -89,13 +94,13 @@ async def tenants(request: Request) -> Response:
     after = request.query_params.get("after", "")
     async with web.connection() as conn:
         rows = await web.rows(conn, "tenants", {"after": after, "limit": PAGE_ROWS,
-                                                "cap": TENANT_CAP})
+                                                "cap": TENANT_CAP, "failed_cap": FAILED_CAP})
         workers = await web.rows(conn, "live_workers", {})
     for row in rows:
         row["wait_p95_s"] = web.tally.wait_p95(row["tenant"])
     more = rows[-1]["tenant"] if len(rows) == PAGE_ROWS else None
     return _page(request, "tenants.html", tenants=rows, workers=workers[0], after=after,
-                 more=more, cap=TENANT_CAP)
+                 more=more, cap=TENANT_CAP, failed_cap=FAILED_CAP)
 
 
 async def in_flight(request: Request) -> Response:

@@ -5,8 +5,10 @@
 -- name: tenants
 -- One page of tenants (by name, after %(after)s) with their quota, live runs and capped
 -- counts: queued runs that can start now ('ready') and those that cannot yet ('waiting':
--- scheduled, in retry backoff, behind their serial key, or of a paused tenant), dead letters,
--- and when the oldest ready run became available. Each count stops at %(cap)s.
+-- scheduled, in retry backoff, behind their serial key, or of a paused tenant), counted up to
+-- %(cap)s; runs that failed for good in the last 24 hours, up to %(failed_cap)s (a tenant's
+-- whole dead-letter history could be any size); and when the oldest ready run became
+-- available.
 SELECT t.tenant,
        coalesce(t.max_running, c.default_quota) AS quota,
        t.max_running IS NULL AS default_quota,
@@ -17,7 +19,7 @@ SELECT t.tenant,
        (SELECT count(*) FROM runpool.runs r
         WHERE r.tenant = t.tenant AND r.status = 'running'
           AND r.lease_expires_at <= now()) AS stuck,
-       f.failed, f.failed >= %(cap)s AS failed_capped,
+       f.failed, f.failed >= %(failed_cap)s AS failed_capped,
        extract(epoch FROM now() - (
            SELECT min(r.available_at) FROM runpool.runs r
            WHERE r.tenant = t.tenant AND r.status = 'queued' AND NOT r.held AND NOT r.paused
@@ -36,7 +38,9 @@ CROSS JOIN LATERAL (
 CROSS JOIN LATERAL (
     SELECT count(*) AS failed
     FROM (SELECT 1 FROM runpool.runs r
-          WHERE r.tenant = t.tenant AND r.status = 'failed' LIMIT %(cap)s) x
+          WHERE r.tenant = t.tenant AND r.status = 'failed'
+            AND r.finished_at > now() - interval '24 hours'
+          LIMIT %(failed_cap)s) x
 ) f
 WHERE t.tenant > %(after)s
 ORDER BY t.tenant

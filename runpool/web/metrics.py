@@ -25,12 +25,14 @@ from starlette.responses import Response
 from .state import Web, web_of
 from .tally import Histogram, Key, Tally
 
-__all__ = ["MAX_TENANTS", "QUEUE_CAP", "metrics"]
+__all__ = ["FAILED_CAP", "MAX_TENANTS", "QUEUE_CAP", "metrics"]
 
 # Tenants a scrape reports (by name): the probes, and the series, stay bounded.
 MAX_TENANTS: Final = 1000
-# A tenant's queue depth and dead letters are counted up to this many.
+# A tenant's queue depth is counted up to this many, its runs failed in the last day up to
+# FAILED_CAP.
 QUEUE_CAP: Final = 100_000
+FAILED_CAP: Final = 1000
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,9 @@ class _Families(Collector):
                                     labels=["tenant"])
         stuck = GaugeMetricFamily("runpool_stuck", "Runs whose lease expired, not reclaimed yet",
                                   labels=["tenant"])
-        dead = GaugeMetricFamily("runpool_dead_letters",
-                                 f"Failed runs (counted up to {QUEUE_CAP} per tenant)",
-                                 labels=["tenant"])
+        dead = GaugeMetricFamily("runpool_failed_last_day",
+                                 f"Runs failed for good in the last 24 h (counted up to"
+                                 f" {FAILED_CAP} per tenant)", labels=["tenant"])
         quota = GaugeMetricFamily("runpool_tenant_quota", "A tenant's quota (absent: none)",
                                   labels=["tenant"])
         for row in snap.tenants:
@@ -122,7 +124,7 @@ async def snapshot(web: Web) -> Snapshot:
         cur = await conn.execute(web.sql["live_workers"])
         workers = await cur.fetchone()
         tenants = await web.rows(conn, "tenants", {"after": "", "limit": MAX_TENANTS,
-                                                   "cap": QUEUE_CAP})
+                                                   "cap": QUEUE_CAP, "failed_cap": FAILED_CAP})
     assert workers is not None
     return Snapshot(tenants, int(workers[0]), int(workers[1]))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,10 @@ TenantOf = Callable[[Request], "str | Awaitable[str | None] | None"]
 CHECKOUT_SECONDS: Final = 5.0
 
 
+async def _no_pool() -> AsyncConnectionPool:
+    raise RuntimeError("create_app sets how the pool opens")
+
+
 @dataclass
 class Web:
     """The app's shared state; `pool` is set by the app's lifespan."""
@@ -44,16 +49,38 @@ class Web:
     pool: AsyncConnectionPool | None = None
     # Open event streams per tenant (None: the operator), for their caps.
     streams: dict[str | None, int] = field(default_factory=dict)
+    # Opens the pool (app.py); set by create_app.
+    open_pool: Callable[[], Awaitable[AsyncConnectionPool]] = field(default=_no_pool)
+    _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The operator app's background reader of the event log (app.py).
+    tally_task: asyncio.Task[None] | None = None
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        assert self.pool is not None, "the app's lifespan did not run"
+        pool = self.pool or await self._open_late()
         try:
-            async with self.pool.connection(timeout=CHECKOUT_SECONDS) as conn:
+            async with pool.connection(timeout=CHECKOUT_SECONDS) as conn:
                 yield conn
         except PoolTimeout:
             raise HTTPException(503, "the database is busy: no connection free; try again"
                                 ) from None
+
+    async def _open_late(self) -> AsyncConnectionPool:
+        """The pool, opened at the first request: Starlette runs no lifespan of a mounted app
+        (a FastAPI service's app.mount), only the outer app's."""
+        async with self._opening:
+            if self.pool is None:
+                self.pool = await self.open_pool()
+        return self.pool
+
+    async def close(self) -> None:
+        if self.tally_task is not None:
+            self.tally_task.cancel()
+            await asyncio.gather(self.tally_task, return_exceptions=True)
+            self.tally_task = None
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
 
     async def rows(self, conn: psycopg.AsyncConnection[Any], name: str,
                    params: dict[str, Any]) -> list[dict[str, Any]]:

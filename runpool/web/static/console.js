@@ -2,12 +2,15 @@
 // (Server-Sent Events from /api/runs/{id}/events). No framework, no build step.
 "use strict";
 
+// The prefix the console is mounted under ("" at the root of its server).
+const root = document.body.dataset.root || "";
+
 async function act(button) {
   const run = button.dataset.run, action = button.dataset.action;
   button.disabled = true;
   try {
     // JSON content type: cross-site pages cannot send it without a preflight (see api.py).
-    const response = await fetch(`/api/runs/${run}/${action}`, {
+    const response = await fetch(`${root}/api/runs/${run}/${action}`, {
       method: "POST", headers: {"Content-Type": "application/json"}, body: "{}",
     });
     const answer = await response.json();
@@ -89,7 +92,7 @@ function followRun() {
   if (stream) stream.close();
   // Follows on from what the server rendered (data-after: the seq of its last event); the
   // browser resumes a cut stream with Last-Event-ID: nothing is missed, nothing comes twice.
-  stream = new EventSource(`/api/runs/${page.dataset.run}/events?after=${page.dataset.after}`);
+  stream = new EventSource(`${root}/api/runs/${page.dataset.run}/events?after=${page.dataset.after}`);
   live.textContent = "● live";
   const handle = (kind, fn) => stream.addEventListener(kind, (e) => {
     const ev = JSON.parse(e.data);
