@@ -194,3 +194,34 @@ def test_web_app_mounted_in_a_service__api_and_console_under_their_prefixes(dsn:
         run_page = client.get(f"/ops/runs/{run_id}").text
         assert 'data-root="/ops"' in run_page and 'class="here"' not in run_page
         assert _runs(conn) == 1
+
+
+def test_web_api_a_run_locked_by_an_open_transaction__503_and_the_rest_keeps_working(
+        dsn: str, conn, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runpool.web import app as web_app
+
+    monkeypatch.setattr(web_app, "STATEMENT_TIMEOUT", "1s")
+    locked = conn.execute("SELECT runpool.enqueue('acme', 'noop')").fetchone()[0]
+    free = conn.execute("SELECT runpool.enqueue('acme', 'noop')").fetchone()[0]
+    with serving(create_app(dsn)) as url, \
+            httpx.Client(base_url=url, headers=JSON, timeout=20) as client, \
+            psycopg.connect(dsn) as holder:
+        holder.execute("SELECT 1 FROM runpool.runs WHERE id = %s FOR UPDATE", (locked,))
+        answer = client.post(f"/api/runs/{locked}/cancel")
+        assert answer.status_code == 503 and "locked" in answer.json()["error"]
+        # Reads never wait for the lock; other runs are untouched by it.
+        assert client.get(f"/api/runs/{locked}").json()["status"] == "queued"
+        assert 'data-tenant="acme"' in client.get("/").text
+        assert client.post(f"/api/runs/{free}/cancel").json() == {"status": "cancelled"}
+        holder.rollback()
+        assert client.post(f"/api/runs/{locked}/cancel").json() == {"status": "cancelled"}
+
+
+def test_web_console_hostile_names__escaped_everywhere(console: httpx.Client, conn) -> None:
+    evil = '<img src=x onerror="alert(1)">'
+    run_id = console.post("/api/runs", json={"tenant": evil, "handler": evil,
+                                             "input": {"html": evil}}).json()["id"]
+    for path in ("/", f"/runs/{run_id}", "/dead?tenant=" + evil):
+        page = console.get(path)
+        assert page.status_code == 200
+        assert "<img" not in page.text and "&lt;img src=x onerror=" in page.text, path

@@ -12,6 +12,7 @@ from importlib.resources import files
 from typing import Any, Final
 
 import psycopg
+from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -54,6 +55,7 @@ async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
     configure(conn)
     await conn.set_autocommit(True)
     await conn.execute(SESSION_SETUP)
+    # Read here, not at import: a test may shorten it.
     await conn.execute(WEB_SESSION, (STATEMENT_TIMEOUT,))
 
 
@@ -87,6 +89,16 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _invalid(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+async def _busy(request: Request, exc: Exception) -> Response:
+    """A statement that ran out its statement_timeout: every query here is bounded, so it
+    waited for a lock (a caller's open transaction holding the run's row, say)."""
+    logger.warning("%s %s: %r", request.method, request.url.path, exc,
+                   extra={"action": "web_statement_timeout"})
+    return await _http_error(request, HTTPException(
+        503, "the database did not answer in time (the run may be locked by another"
+             " transaction); try again"))
 
 
 async def _healthz(request: Request) -> Response:
@@ -151,7 +163,8 @@ def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Sta
         ]
     app = Starlette(
         routes=routes, lifespan=lifespan, middleware=[Middleware(_SecurityHeaders)],
-        exception_handlers={HTTPException: _http_error, InvalidInput: _invalid})
+        exception_handlers={HTTPException: _http_error, InvalidInput: _invalid,
+                            pg_errors.QueryCanceled: _busy})
     app.state.web = web
     return app
 
