@@ -225,3 +225,38 @@ def test_web_console_hostile_names__escaped_everywhere(console: httpx.Client, co
         page = console.get(path)
         assert page.status_code == 200
         assert "<img" not in page.text and "&lt;img src=x onerror=" in page.text, path
+
+
+def test_cli_ui__serves_on_loopback_and_answers_only_loopback_host_names(dsn: str) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, pool_env, wait_for
+
+    with socket.socket() as probe:  # a free port (the server binds it a moment later)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "runpool", "ui", "--port", str(port)],
+                            env=pool_env(dsn), cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/healthz", timeout=2).text == "ok"
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, timeout=30, what="python -m runpool ui to serve")
+        assert httpx.get(f"http://localhost:{port}/").status_code == 200
+        # DNS rebinding: a page of another name pointed at 127.0.0.1 gets nothing.
+        rebound = httpx.get(url + "/", headers={"host": f"evil.example:{port}"})
+        assert rebound.status_code == 400
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    assert f"console on http://127.0.0.1:{port}/" in err
