@@ -187,6 +187,10 @@ def test_web_app_mounted_in_a_service__api_and_console_under_their_prefixes(dsn:
         assert client.get(f"/runs-api/api/runs/{run_id}", headers={"x-tenant": "acme"}
                           ).json()["tenant"] == "acme"
         assert client.get("/runs-api/").status_code == 404  # no console in tenant mode
+        assert client.get(f"/runs-api/api/runs/{uuid.uuid4()}", headers={"x-tenant": "acme"}
+                          ).json() == {"error": "no such run"}
+        assert client.get(f"/runs-api/api/runs/{run_id}").json() == {
+            "error": "not authenticated"}
         console = client.get("/ops/").text
         assert 'href="/ops/runs"' in console and 'src="/ops/static/console.js"' in console
         assert 'data-tenant="acme"' in console

@@ -81,7 +81,9 @@ async def _tally_forever(web: Web) -> None:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    if request.url.path.startswith("/api/"):
+    # JSON for the API, wherever the app is mounted (root_path: the mount's prefix).
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+    if path.startswith("/api/"):
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code,
                             headers=exc.headers)
     return PlainTextResponse(f"{exc.status_code}: {exc.detail}", status_code=exc.status_code)
