@@ -133,11 +133,13 @@ def test_sse__tenant_scope_bad_input_and_the_per_tenant_cap(
         # A queued run's stream stays open (its 'queued' event first); two per tenant.
         with client.stream("GET", f"/api/runs/{mine}/events", headers=acme) as first, \
                 client.stream("GET", f"/api/runs/{mine}/events", headers=acme) as second:
-            for response in (first, second):
-                event = next(_sse(response))
-                assert event["data"]["data"]["status"] == "queued"
-            third = client.get(f"/api/runs/{mine}/events", headers=acme)
+            # Held in a list: an iterator of a response dropped early closes its connection.
+            readers = [_sse(first), _sse(second)]
+            for reader in readers:
+                assert next(reader)["data"]["data"]["status"] == "queued"
+            third = client.get(f"/api/runs/{mine}/events", headers=acme, timeout=10)
             assert third.status_code == 429
+            assert events.MAX_STREAMS_PER_TENANT == 2 and _streams(conn) == 2
             # Another tenant is not held back by acme's streams.
             with client.stream("GET", f"/api/runs/{other}/events?after=1",
                                headers={"x-tenant": "globex"}) as globex:
