@@ -73,7 +73,9 @@ def test_browser_console__tenants_live_run_and_cancel(browser: Browser, dsn: str
         messages = page.locator("#conversation li")
         expect(messages.first).to_be_visible()
         seen = messages.count()
-        expect(messages).to_have_count(seen + 2, timeout=10_000)
+        # New messages arrive over the stream (the page is never reloaded: see the marker).
+        page.wait_for_function("n => document.querySelectorAll('#conversation li').length >= n",
+                               arg=seen + 2, timeout=10_000)
         expect(page.locator("#conversation li").last).to_contain_text("still thinking")
         expect(page.locator("#tool-calls tbody tr").first).to_be_visible()
         assert page.evaluate("window.__sameDocument") is True

@@ -3,47 +3,40 @@
 -- costs the same with a million finished runs as with none: nothing here scans history.
 
 -- name: tenants
--- One page of tenants (by name, after %(after)s) with their quota, live runs and capped
--- counts: queued runs that can start now ('ready') and those that cannot yet ('waiting':
--- scheduled, in retry backoff, behind their serial key, or of a paused tenant), counted up to
--- %(cap)s; runs that failed for good in the last 24 hours, up to %(failed_cap)s (a tenant's
--- whole dead-letter history could be any size); and when the oldest ready run became
--- available.
-SELECT t.tenant,
-       coalesce(t.max_running, c.default_quota) AS quota,
-       t.max_running IS NULL AS default_quota,
-       q.ready, q.waiting, q.total >= %(cap)s AS queued_capped,
+-- One page of tenants (by name, after %(after)s): their quota and live leases (the rule's
+-- view, tenant_capacity), runs stuck on an expired lease, and capped counts — queued runs
+-- that can start now (the rule's view, ready_runs) and all queued runs, up to %(cap)s each (the
+-- difference waits: scheduled, in retry backoff, behind its serial key, or of a paused
+-- tenant); runs that failed for good in the last 24 hours, up to %(failed_cap)s (a tenant's
+-- whole dead-letter history could be any size); and since when the oldest ready run waits.
+-- Every count is index-only on runs_queued_tenant or runs_failed_tenant (0011).
+SELECT q.tenant, q.quota, t.max_running IS NULL AS default_quota, q.live AS running,
        (SELECT count(*) FROM runpool.runs r
-        WHERE r.tenant = t.tenant AND r.status = 'running'
-          AND r.lease_expires_at > now()) AS running,
-       (SELECT count(*) FROM runpool.runs r
-        WHERE r.tenant = t.tenant AND r.status = 'running'
+        WHERE r.tenant = q.tenant AND r.status = 'running'
           AND r.lease_expires_at <= now()) AS stuck,
+       n.ready, greatest(n.queued - n.ready, 0) AS waiting, n.queued >= %(cap)s AS queued_capped,
        f.failed, f.failed >= %(failed_cap)s AS failed_capped,
        extract(epoch FROM now() - (
-           SELECT min(r.available_at) FROM runpool.runs r
-           WHERE r.tenant = t.tenant AND r.status = 'queued' AND NOT r.held AND NOT r.paused
-             AND r.available_at <= now()))::float8 AS oldest_wait_s
-FROM runpool.tenants t
-CROSS JOIN runpool.config c
+           SELECT min(r.available_at) FROM runpool.ready_runs r
+           WHERE r.tenant = q.tenant))::float8 AS oldest_wait_s
+FROM runpool.tenant_capacity q
+JOIN runpool.tenants t ON t.tenant = q.tenant
 CROSS JOIN LATERAL (
-    -- Index-only (runs_queued_tenant includes held and paused), at most %(cap)s entries.
-    SELECT count(*) AS total,
-           count(*) FILTER (WHERE NOT x.held AND NOT x.paused AND x.available_at <= now())
-           AS ready,
-           count(*) FILTER (WHERE x.held OR x.paused OR x.available_at > now()) AS waiting
-    FROM (SELECT r.held, r.paused, r.available_at FROM runpool.runs r
-          WHERE r.tenant = t.tenant AND r.status = 'queued' LIMIT %(cap)s) x
-) q
+    SELECT (SELECT count(*) FROM (SELECT 1 FROM runpool.runs r
+                                  WHERE r.tenant = q.tenant AND r.status = 'queued'
+                                  LIMIT %(cap)s) x) AS queued,
+           (SELECT count(*) FROM (SELECT 1 FROM runpool.ready_runs r
+                                  WHERE r.tenant = q.tenant LIMIT %(cap)s) x) AS ready
+) n
 CROSS JOIN LATERAL (
     SELECT count(*) AS failed
     FROM (SELECT 1 FROM runpool.runs r
-          WHERE r.tenant = t.tenant AND r.status = 'failed'
+          WHERE r.tenant = q.tenant AND r.status = 'failed'
             AND r.finished_at > now() - interval '24 hours'
           LIMIT %(failed_cap)s) x
 ) f
-WHERE t.tenant > %(after)s
-ORDER BY t.tenant
+WHERE q.tenant > %(after)s
+ORDER BY q.tenant
 LIMIT %(limit)s;
 
 -- name: in_flight
@@ -107,7 +100,7 @@ LIMIT %(limit)s;
 -- One run, as a JSON object of its columns (those a later migration adds, such as usage,
 -- included), or nothing when it belongs to another tenant than %(tenant)s (NULL: any).
 SELECT to_jsonb(r) - 'rank' - 'serial_order' - 'attempt_offset' AS run,
-       r.max_attempts - (r.attempt - r.attempt_offset) AS attempts_left
+       r.max_attempts - runpool.attempts_used(r) AS attempts_left
 FROM runpool.runs r
 WHERE r.id = %(id)s AND (r.tenant = %(tenant)s::text OR %(tenant)s::text IS NULL);
 
