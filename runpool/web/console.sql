@@ -74,12 +74,15 @@ ORDER BY r.finished_at DESC
 LIMIT %(limit)s;
 
 -- name: dead_letters_of_tenant
--- The same page for one tenant. Ordered as runs_failed_tenant is, so that index is the plan:
--- runs_failed (by time only) would walk every other tenant's failures to find this one's.
+-- The same page for one tenant, on runs_failed_tenant: runs_failed (by time only) would walk
+-- every other tenant's failures to find this one's, and the planner picked it whenever it
+-- guessed this tenant's share of failures large. The row comparison is an index condition on
+-- runs_failed_tenant only, which settles it.
 SELECT r.id, r.tenant, r.handler, r.attempt, r.finished_at,
        r.error ->> 'reason' AS reason, left(r.error ->> 'message', 300) AS message
 FROM runpool.runs r
-WHERE r.tenant = %(tenant)s AND r.status = 'failed' AND r.finished_at < %(before)s
+WHERE r.tenant = %(tenant)s AND r.status = 'failed'
+  AND (r.tenant, r.finished_at) < (%(tenant)s, %(before)s)
 ORDER BY r.tenant DESC, r.finished_at DESC
 LIMIT %(limit)s;
 
