@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -264,3 +265,30 @@ def test_cli_ui__serves_on_loopback_and_answers_only_loopback_host_names(dsn: st
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=15)
     assert f"console on http://127.0.0.1:{port}/" in err
+
+
+def test_web_app_without_its_database__503_not_500() -> None:
+    """Mounted (no lifespan), its pool opens at the first request: with the database away,
+    every route answers 503, and /healthz says so too."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    with socket_closed_port() as port:
+        dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres?connect_timeout=2"
+        service = Starlette(routes=[Mount("/runs", create_app(dsn))])
+        with serving(service) as url, httpx.Client(base_url=url, headers=JSON,
+                                                   timeout=30) as client:
+            assert client.get("/runs/healthz").status_code == 503
+            answer = client.post("/runs/api/runs", json={"tenant": "a", "handler": "noop"})
+            assert answer.status_code == 503
+            assert answer.json() == {"error": "the database is unavailable"}
+
+
+@contextmanager
+def socket_closed_port() -> Iterator[int]:
+    """A loopback port nothing listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]  # bound, not listening: connections are refused

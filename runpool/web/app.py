@@ -103,6 +103,14 @@ async def _busy(request: Request, exc: Exception) -> Response:
              " transaction); try again"))
 
 
+async def _unavailable(request: Request, exc: Exception) -> Response:
+    """The database cannot be reached (down, restarting, a failover): a 503, which load
+    balancers and clients retry, rather than a 500."""
+    logger.warning("%s %s: database unavailable: %r", request.method, request.url.path, exc,
+                   extra={"action": "web_database_unavailable"})
+    return await _http_error(request, HTTPException(503, "the database is unavailable"))
+
+
 async def _healthz(request: Request) -> Response:
     web: Web = request.app.state.web
     async with web.connection() as conn:
@@ -166,7 +174,8 @@ def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Sta
     app = Starlette(
         routes=routes, lifespan=lifespan, middleware=[Middleware(_SecurityHeaders)],
         exception_handlers={HTTPException: _http_error, InvalidInput: _invalid,
-                            pg_errors.QueryCanceled: _busy})
+                            pg_errors.QueryCanceled: _busy,
+                            psycopg.OperationalError: _unavailable})
     app.state.web = web
     return app
 
