@@ -151,3 +151,29 @@ def test_metrics__queue_depth_counters_histograms_and_workers(dsn: str, conn) ->
         assert after[("runpool_cancel_latency_seconds_count", ())] == 1
         assert after[("runpool_queue_depth", (("state", "ready"), ("tenant", "acme")))] == 0
         assert after[("runpool_worker_slots", ())] == 8
+
+
+def test_console_dead_letters__pages_cover_every_run_once_when_many_share_a_finish_time(
+        dsn: str, conn) -> None:
+    # One outcome batch ends many runs at the same now(): 150 here, beside 30 older ones.
+    ids = [_enqueue(conn, "acme" if i % 3 else "globex", "noop") for i in range(180)]
+    conn.execute(
+        "UPDATE runpool.runs SET status = 'failed', attempt = 1,"
+        " error = '{\"reason\": \"handler_error\"}',"
+        " finished_at = CASE WHEN id = ANY(%s) THEN '2026-01-01T00:00:00Z'::timestamptz"
+        " ELSE '2025-12-31T00:00:00Z'::timestamptz END WHERE id = ANY(%s)",
+        (ids[:150], ids))
+    with serving(create_app(dsn)) as url, httpx.Client(base_url=url, timeout=20) as client:
+        for query, expected in (("", set(ids)),
+                                ("tenant=acme", {r for i, r in enumerate(ids) if i % 3})):
+            seen: list[str] = []
+            path: str | None = "/dead?" + query
+            while path:
+                page = client.get(path).text
+                seen += re.findall(r'data-action="retry" data-run="([0-9a-f-]+)"', page)
+                older = re.search(r'<a href="(/dead\?[^"]+)">older', page)
+                path = older[1].replace("&amp;", "&") if older else None
+            assert len(seen) == len(set(seen)) == len(expected)
+            assert {uuid.UUID(s) for s in seen} == expected
+        bad = client.get("/dead?before_id=nope")
+        assert bad.status_code == 400 and "before_id" in bad.json()["error"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -15,6 +16,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from runpool.errors import InvalidInput
+from runpool.live import TERMINAL
 
 from .state import parse_run_id, web_of
 
@@ -29,7 +31,9 @@ FAILED_CAP: Final = 1000
 # A run page shows at most this many messages, tool calls and events (it says so).
 RUN_ROWS: Final = 500
 
+# The first page of a list in time order starts after these (beyond every run).
 _FAR_FUTURE: Final = datetime(9999, 1, 1, tzinfo=UTC)
+_LAST_ID: Final = uuid.UUID(int=2**128 - 1)
 
 
 def duration(seconds: float | None) -> str:
@@ -125,11 +129,16 @@ async def dead_letters(request: Request) -> Response:
         before = datetime.fromisoformat(before_text) if before_text else _FAR_FUTURE
     except ValueError:
         raise InvalidInput(f"before: not an ISO 8601 time: {before_text[:60]!r}") from None
-    params = {"before": before, "limit": PAGE_ROWS, "tenant": tenant}
+    if before.tzinfo is None:
+        raise InvalidInput("before: give a time zone")
+    before_id = parse_run_id(request.query_params.get("before_id") or str(_LAST_ID),
+                             "before_id")
+    params = {"before": before, "before_id": before_id, "limit": PAGE_ROWS, "tenant": tenant}
     async with web.connection() as conn:
         rows = await web.rows(conn, "dead_letters_of_tenant" if tenant else "dead_letters",
                               params)
-    more = rows[-1]["finished_at"].isoformat() if len(rows) == PAGE_ROWS else None
+    more = ({"before": rows[-1]["finished_at"].isoformat(), "before_id": str(rows[-1]["id"])}
+            | ({"tenant": tenant} if tenant else {})) if len(rows) == PAGE_ROWS else None
     return _page(request, "dead.html", runs=rows, tenant=tenant, more=more)
 
 
@@ -158,7 +167,7 @@ async def run_page(request: Request) -> Response:
                  explain=explain[0]["explain_run"] if explain else None,
                  messages=messages[::-1], tool_calls=tool_calls[::-1], events=events,
                  limit=RUN_ROWS, after=run.get("event_seq", 0),
-                 terminal=run["status"] in ("succeeded", "failed", "cancelled"))
+                 terminal=run["status"] in TERMINAL)
 
 
 def routes() -> list[Route]:

@@ -65,25 +65,29 @@ ORDER BY r.lease_expires_at
 LIMIT %(limit)s;
 
 -- name: dead_letters
--- One page of the dead-letter list (failed runs), newest first, before %(before)s.
+-- One page of the dead-letter list (failed runs), newest first, after the run (%(before)s,
+-- %(before_id)s) that ended the previous page: runs one outcome batch ended share their
+-- finished_at, so the id breaks the tie (runs_failed, then a sort of the tied few).
 SELECT r.id, r.tenant, r.handler, r.attempt, r.finished_at,
        r.error ->> 'reason' AS reason, left(r.error ->> 'message', 300) AS message
 FROM runpool.runs r
-WHERE r.status = 'failed' AND r.finished_at < %(before)s
-ORDER BY r.finished_at DESC
+WHERE r.status = 'failed' AND r.finished_at <= %(before)s
+  AND (r.finished_at, r.id) < (%(before)s, %(before_id)s)
+ORDER BY r.finished_at DESC, r.id DESC
 LIMIT %(limit)s;
 
 -- name: dead_letters_of_tenant
 -- The same page for one tenant, on runs_failed_tenant: runs_failed (by time only) would walk
 -- every other tenant's failures to find this one's, and the planner picked it whenever it
--- guessed this tenant's share of failures large. The row comparison is an index condition on
--- runs_failed_tenant only, which settles it.
+-- guessed this tenant's share of failures large. The row comparison on (tenant, finished_at)
+-- is an index condition on runs_failed_tenant only, which settles it.
 SELECT r.id, r.tenant, r.handler, r.attempt, r.finished_at,
        r.error ->> 'reason' AS reason, left(r.error ->> 'message', 300) AS message
 FROM runpool.runs r
 WHERE r.tenant = %(tenant)s AND r.status = 'failed'
-  AND (r.tenant, r.finished_at) < (%(tenant)s, %(before)s)
-ORDER BY r.tenant DESC, r.finished_at DESC
+  AND (r.tenant, r.finished_at) <= (%(tenant)s, %(before)s)
+  AND (r.finished_at, r.id) < (%(before)s, %(before_id)s)
+ORDER BY r.tenant DESC, r.finished_at DESC, r.id DESC
 LIMIT %(limit)s;
 
 -- name: workers

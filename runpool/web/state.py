@@ -19,13 +19,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from runpool.errors import InvalidInput
-from runpool.queries import load
 
+from .sql import SQL
 from .tally import Tally
 
-__all__ = ["SQL", "TenantOf", "Web", "jsonable", "parse_run_id", "web_of"]
-
-SQL: Final = load("runpool.web", "console.sql")
+__all__ = ["TenantOf", "Web", "jsonable", "parse_run_id", "web_of"]
 
 # tenant_of(request): the tenant a request acts for (None: refused), sync or async.
 TenantOf = Callable[[Request], "str | Awaitable[str | None] | None"]
@@ -40,7 +38,8 @@ async def _no_pool() -> AsyncConnectionPool:
 
 @dataclass
 class Web:
-    """The app's shared state; `pool` is set by the app's lifespan."""
+    """The app's shared state. Mutable (the pool, the stream counts, the tally change while
+    the app serves), and only ever touched from the app's event loop."""
 
     dsn: str
     tenant_of: TenantOf | None
@@ -108,11 +107,11 @@ def web_of(request: Request) -> Web:
     return web
 
 
-def parse_run_id(text: str) -> uuid.UUID:
+def parse_run_id(text: str, field: str = "id") -> uuid.UUID:
     try:
         return uuid.UUID(text)
     except ValueError:
-        raise InvalidInput(f"id: not a run id (a UUID): {text[:100]!r}") from None
+        raise InvalidInput(f"{field}: not a run id (a UUID): {text[:100]!r}") from None
 
 
 def jsonable(value: Any) -> Any:

@@ -23,11 +23,9 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import dict_row
 
-from runpool.queries import load
+from .sql import SQL
 
 __all__ = ["BUCKETS", "LAG", "READ_LIMIT", "Histogram", "Tally"]
-
-SQL: Final = load("runpool.web", "console.sql")
 
 # Seconds an event's transaction must have begun before it is counted (see above).
 LAG: Final = 5.0
