@@ -107,7 +107,7 @@ LIMIT %(limit)s;
 -- One run, as a JSON object of its columns (those a later migration adds, such as usage,
 -- included), or nothing when it belongs to another tenant than %(tenant)s (NULL: any).
 SELECT to_jsonb(r) - 'rank' - 'serial_order' - 'attempt_offset' AS run,
-       r.max_attempts - runpool.attempts_used(r) AS attempts_left
+       r.max_attempts - runpool.attempts_used(r.attempt, r.attempt_offset) AS attempts_left
 FROM runpool.runs r
 WHERE r.id = %(id)s AND (r.tenant = %(tenant)s::text OR %(tenant)s::text IS NULL);
 
