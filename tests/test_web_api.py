@@ -154,8 +154,8 @@ def test_web_api_tenant_of__scopes_every_route(dsn: str, conn, tenant_of: Any) -
         assert client.get(f"/api/runs/{mine}").status_code == 401
         assert _runs(conn) == 2
         # The console and /metrics are not served; /healthz is.
-        for path in ("/", "/runs", f"/runs/{mine}", "/dead", "/workers", "/metrics",
-                     "/static/console.js"):
+        for path in ("/", "/runs", f"/runs/{mine}", "/dead", "/workers", "/schedules",
+                     "/metrics", "/static/console.js"):
             assert client.get(path, headers=acme).status_code == 404, path
         assert client.get("/healthz").status_code == 200
         assert client.post(f"/api/runs/{mine}/cancel", headers=acme).json() == {

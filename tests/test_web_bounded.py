@@ -24,6 +24,7 @@ PARAMS: dict[str, dict[str, Any]] = {
     "dead_letters_of_tenant": {"tenant": "t07", "before": datetime(9999, 1, 1, tzinfo=UTC),
                                "before_id": uuid.UUID(int=2**128 - 1), "limit": 100},
     "workers": {"limit": 100},
+    "schedules": {"limit": 100},
     "live_workers": {},
     "event_mark": {},
 }

@@ -36,6 +36,13 @@ def _cells(html: str, tenant: str) -> dict[str, str]:
             for m in re.findall(r'data-col="(\w+)">(.*?)</td>', row[1], re.S)}
 
 
+def _schedule_row(client: httpx.Client, name: str) -> str:
+    page = client.get("/schedules").text
+    row = re.search(rf'<tr data-schedule="{re.escape(name)}">(.*?)</tr>', page, re.S)
+    assert row, f"no row for schedule {name}"
+    return re.sub(r"<[^>]+>", " ", row[1])
+
+
 def _stuck_run(dsn: str, conn: Any) -> uuid.UUID:
     """A run claimed by a worker that never renews its lease (0.2 s)."""
     run_id = _enqueue(conn, "initech", "noop")
@@ -91,6 +98,16 @@ def test_console_pages__tenants_in_flight_stuck_dead_letters_workers_run(dsn: st
             assert f"/runs/{dead}" in client.get("/dead?tenant=globex").text
             assert f"/runs/{dead}" not in client.get("/dead?tenant=acme").text
             assert client.get("/dead?before=yesterday").status_code == 400
+
+            conn.execute("SELECT runpool.set_schedule('nightly-digest', '30 2 * * *', 'acme',"
+                         " 'noop', timezone => 'Europe/Berlin')")
+            conn.execute("SELECT runpool.set_schedule('paused-one', '@hourly', 'globex',"
+                         " 'noop', enabled => false)")
+            # A pool computes next_fire_at as it finds a schedule.
+            wait_for(lambda: "UTC" in _schedule_row(client, "nightly-digest"),
+                     what="the schedule's next fire time")
+            assert "Europe/Berlin" in _schedule_row(client, "nightly-digest")
+            assert "disabled" in _schedule_row(client, "paused-one")
 
             explained = client.get(f"/runs/{unserved}").text
             assert "Why it is not running" in explained and "nobody_serves_this" in explained

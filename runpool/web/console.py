@@ -149,6 +149,13 @@ async def workers(request: Request) -> Response:
     return _page(request, "workers.html", workers=rows)
 
 
+async def schedules(request: Request) -> Response:
+    web = web_of(request)
+    async with web.connection() as conn:
+        rows = await web.rows(conn, "schedules", {"limit": PAGE_ROWS})
+    return _page(request, "schedules.html", schedules=rows, limit=PAGE_ROWS)
+
+
 async def run_page(request: Request) -> Response:
     web = web_of(request)
     run_id = parse_run_id(request.path_params["id"])
@@ -178,4 +185,5 @@ def routes() -> list[Route]:
         Route("/stuck", stuck),
         Route("/dead", dead_letters),
         Route("/workers", workers),
+        Route("/schedules", schedules),
     ]

@@ -103,6 +103,16 @@ WHERE w.stopped_at IS NULL AND w.last_seen_at > now() - interval '2 minutes'
 ORDER BY w.started_at
 LIMIT %(limit)s;
 
+-- name: schedules
+-- The schedules (a table of configuration, set by code or SQL), the next to fire first: when,
+-- what, and whether a pool found its cron unusable (error).
+SELECT s.name, s.cron, s.timezone, s.tenant, s.handler, s.catch_up, s.enabled,
+       s.next_fire_at, s.last_fire_at, s.error,
+       extract(epoch FROM s.next_fire_at - now())::float8 AS next_in_s
+FROM runpool.schedules s
+ORDER BY s.next_fire_at NULLS LAST, s.name
+LIMIT %(limit)s;
+
 -- name: run
 -- One run, as a JSON object of its columns (those a later migration adds, such as usage,
 -- included), or nothing when it belongs to another tenant than %(tenant)s (NULL: any).
