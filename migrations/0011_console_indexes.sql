@@ -6,6 +6,9 @@
 -- claim's index (runs_ready) holds only the ready ones, handler first.
 CREATE INDEX runs_queued_tenant ON runpool.runs (tenant, available_at)
     INCLUDE (held, deferred, paused) WHERE status = 'queued';
+-- A tenant's runs in the 'waiting' status of durable waits (DESIGN.md: a signal, a sleep, child
+-- runs), counted as waiting beside its queued runs that cannot start yet; none before then.
+CREATE INDEX runs_waiting_tenant ON runpool.runs (tenant) WHERE status = 'waiting';
 -- A tenant's dead letters, newest first, and their capped count: runs_failed is by time
 -- across tenants, so a tenant's count or page would walk every other tenant's failures.
 CREATE INDEX runs_failed_tenant ON runpool.runs (tenant, finished_at) WHERE status = 'failed';

@@ -7,14 +7,15 @@
 -- view, tenant_capacity), runs stuck on an expired lease, and capped counts — queued runs
 -- that can start now (the rule's view, ready_runs) and all queued runs, up to %(cap)s each (the
 -- difference waits: scheduled, in retry backoff, behind its serial key, or of a paused
--- tenant); runs that failed for good in the last 24 hours, up to %(failed_cap)s (a tenant's
+-- tenant; so do runs in the 'waiting' status of durable waits); runs that failed for good in the last 24 hours, up to %(failed_cap)s (a tenant's
 -- whole dead-letter history could be any size); and since when the oldest ready run waits.
 -- Every count is index-only on runs_queued_tenant or runs_failed_tenant (0011).
 SELECT q.tenant, q.quota, t.max_running IS NULL AS default_quota, q.live AS running,
        (SELECT count(*) FROM runpool.runs r
         WHERE r.tenant = q.tenant AND r.status = 'running'
           AND r.lease_expires_at <= now()) AS stuck,
-       n.ready, greatest(n.queued - n.ready, 0) AS waiting, n.queued >= %(cap)s AS queued_capped,
+       n.ready, greatest(n.queued - n.ready, 0) + n.waiting AS waiting,
+       n.queued >= %(cap)s OR n.waiting >= %(cap)s AS queued_capped,
        f.failed, f.failed >= %(failed_cap)s AS failed_capped,
        extract(epoch FROM now() - (
            SELECT min(r.available_at) FROM runpool.ready_runs r
@@ -26,7 +27,10 @@ CROSS JOIN LATERAL (
                                   WHERE r.tenant = q.tenant AND r.status = 'queued'
                                   LIMIT %(cap)s) x) AS queued,
            (SELECT count(*) FROM (SELECT 1 FROM runpool.ready_runs r
-                                  WHERE r.tenant = q.tenant LIMIT %(cap)s) x) AS ready
+                                  WHERE r.tenant = q.tenant LIMIT %(cap)s) x) AS ready,
+           (SELECT count(*) FROM (SELECT 1 FROM runpool.runs r
+                                  WHERE r.tenant = q.tenant AND r.status = 'waiting'
+                                  LIMIT %(cap)s) x) AS waiting
 ) n
 CROSS JOIN LATERAL (
     SELECT count(*) AS failed

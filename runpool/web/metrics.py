@@ -89,7 +89,7 @@ class _Families(Collector):
         depth = GaugeMetricFamily(
             "runpool_queue_depth", f"Queued runs (counted up to {QUEUE_CAP} per tenant);"
             " state: ready (can start now) or waiting (scheduled, backoff, serial key,"
-            " paused)", labels=["tenant", "state"])
+            " paused, durable waits)", labels=["tenant", "state"])
         oldest = GaugeMetricFamily("runpool_oldest_wait_seconds",
                                    "Age of the oldest ready run", labels=["tenant"])
         running = GaugeMetricFamily("runpool_running", "Runs with a live lease",
