@@ -138,6 +138,7 @@ def _routes(conn: psycopg.Connection[Any]) -> dict[str, str]:
     return {
         "tenants": "/", "in_flight": "/runs", "stuck": "/stuck", "dead_letters": "/dead",
         "dead_letters_of_tenant": "/dead?tenant=t07", "workers": "/workers",
+        "schedules": "/schedules",
         "run_queued_explained": f"/runs/{queued}", "run_2000_messages": f"/runs/{talked}",
         "api_read_run": f"/api/runs/{queued}", "metrics": "/metrics", "healthz": "/healthz",
     }
