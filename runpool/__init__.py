@@ -9,6 +9,7 @@ from .context import Run
 from .enqueue import RunSpec, enqueue, enqueue_async, enqueue_many
 from .errors import (
     AppNotFound,
+    BudgetExceeded,
     DatabaseTimeout,
     Fail,
     InvalidInput,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "App",
     "AppNotFound",
+    "BudgetExceeded",
     "DatabaseTimeout",
     "Fail",
     "InvalidInput",

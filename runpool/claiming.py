@@ -35,6 +35,11 @@ class ClaimedRun:
     traceparent: str | None
     created_at: datetime
     serial_key: str | None = None
+    # The run's budget and its usage so far (JSON text, decoded in the slot), and the seconds
+    # until its attempt's timeout or its deadline, by the database's clock (None: neither).
+    budget: bytes | None = None
+    usage: bytes | None = None
+    due_in: float | None = None
 
     def decode_input(self) -> Any:
         """The run's input as Python values; InvalidInput for a value jsonb holds but the
@@ -89,6 +94,9 @@ async def claim_statements(
     probe = None
     if reap_expired:
         await conn.execute(QUERIES["reap_expired"])
+        # Queued runs past their deadline end here, with no worker involved (an index probe
+        # when none has a deadline).
+        await conn.execute(QUERIES["expire_deadlines"])
         # The heal sweep rides here, at the reap's cadence, rather than in a transaction of
         # its own: an idle pool costs one transaction per poll and no more (W3). It never
         # waits for a lock, so it cannot hold the claim up.

@@ -118,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-at", type=datetime.fromisoformat, help="ISO 8601 time")
     p.add_argument("--max-attempts", type=int)
     p.add_argument("--serial-key", help="runs sharing a serial key run one at a time, in order")
+    p.add_argument("--timeout", type=float,
+                   help="seconds one attempt may run (past it: failed, reason timeout, retried)")
+    p.add_argument("--deadline", type=datetime.fromisoformat,
+                   help="ISO 8601 time the run must end by (past it: deadline_exceeded)")
+    p.add_argument("--budget", help='JSON, e.g. {"max_tokens": 100000, "max_cost": 2.5,'
+                                    ' "max_tool_calls": 50, "max_turns": 20}')
 
     p = sub.add_parser("cancel", help="cancel a run (runpool.cancel_run)")
     _add_settings_flags(p, db_only)
@@ -317,9 +323,14 @@ def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: str) -
             payload = json.loads(args.input)
         except ValueError as exc:
             raise InvalidInput(f"--input is not valid JSON: {exc}") from None
+        try:
+            budget = None if args.budget is None else json.loads(args.budget)
+        except ValueError as exc:
+            raise InvalidInput(f"--budget is not valid JSON: {exc}") from None
         run_id = enqueue(conn, args.tenant, args.handler, payload, priority=args.priority,
                          idempotency_key=args.idempotency_key, run_at=args.run_at,
-                         max_attempts=args.max_attempts, serial_key=args.serial_key)
+                         max_attempts=args.max_attempts, serial_key=args.serial_key,
+                         timeout=args.timeout, deadline=args.deadline, budget=budget)
         print(run_id)
         return 0
     if args.command == "cancel":

@@ -7,7 +7,7 @@ import asyncio
 import inspect
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -20,12 +20,13 @@ from psycopg_pool import AsyncConnectionPool
 import checkpoints
 from checkpoints import CallMismatch, Message, ToolCall
 
-from . import faults, telemetry
+from . import costs, faults, telemetry
 from .control import RunControl
 from .db import dumps, jsonb, loads, retrying, transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
 from .limits import NAME_MAX_LENGTH
 from .progress import encode as encode_progress
+from .tasks import finish_anyway
 
 __all__ = ["Run", "ToolFn"]
 
@@ -33,6 +34,8 @@ ToolFn = Callable[[Any, str], Any] | Callable[[Any, str], Awaitable[Any]]
 T = TypeVar("T")
 Op = Callable[[psycopg.AsyncConnection[Any], int], Awaitable[T]]
 UNKNOWN: dict[str, Any] = {"outcome": "unknown"}
+# The role of a model turn's message: each one counts against the budget's max_turns.
+TURN_ROLE = "assistant"
 
 
 def _same_call(name: str, arguments: Any, other_name: str, other_arguments: Any) -> bool:
@@ -42,37 +45,6 @@ def _same_call(name: str, arguments: Any, other_name: str, other_arguments: Any)
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
     return name == other_name and canonical(arguments) == canonical(other_arguments)
-
-
-async def _finish(coro: Awaitable[T]) -> T:
-    """Run `coro` to its end even if the caller is cancelled meanwhile (the cancellation is
-    delivered after it): a finished tool's result must not be thrown away half-committed."""
-    loop = asyncio.get_running_loop()
-    outcome: asyncio.Future[T] = loop.create_future()
-
-    async def run() -> None:
-        try:
-            value = await coro
-        except BaseException as exc:  # handed to the caller, not left in the task
-            if not outcome.done():
-                outcome.set_exception(exc)
-        else:
-            if not outcome.done():
-                outcome.set_result(value)
-
-    # A task of its own (awaited through a plain future: one loop turn less than
-    # asyncio.shield or asyncio.wait on the path every tool call takes, W7).
-    task = loop.create_task(run())
-    try:
-        return await outcome
-    except asyncio.CancelledError:
-        # Cancelled while committing: finish the commit, then deliver the cancellation.
-        while not task.done():
-            try:
-                await asyncio.wait([task])
-            except asyncio.CancelledError:
-                pass
-        raise
 
 
 class Run:
@@ -99,6 +71,8 @@ class Run:
         tool_calls: dict[str, ToolCall] | None = None,
         control: RunControl | None = None,
         progress: Callable[[uuid.UUID, int, bytes], None] | None = None,
+        budget: Mapping[str, Any] | None = None,
+        usage: Mapping[str, Any] | None = None,
     ) -> None:
         self.id = id
         self.tenant = tenant
@@ -121,6 +95,9 @@ class Run:
         # its threads; a Run made by hand (a test, a script) gets its own, never set.
         self._control = (control if control is not None
                          else RunControl(self._loop, f"runpool-run-{id}"))
+        # The budget and the run's totals so far (turns counted from the committed history).
+        self._meter = costs.Meter(budget, usage,
+                                  sum(m.role == TURN_ROLE for m in self._messages))
 
     # -- state set by the worker -----------------------------------------------------------
 
@@ -182,9 +159,16 @@ class Run:
             return await checkpoints.append_message(
                 conn, self.id, self.attempt, role, jsonb(data))
 
+        turn = role == TURN_ROLE
         async with self._write_lock:
+            if turn:
+                # A turn over max_turns (or past a spent budget) is refused before it is written;
+                # other messages (a wrap-up note, say) are always accepted.
+                self._meter.check(self._call_count(), more_turns=1)
             after = self._messages[-1].seq if self._messages else 0
             seq = await self._db(pool, "message write", append)
+            if turn:
+                self._meter.turned()
         # The committed JSON value, the same as a resumed attempt will read.
         message = Message(seq, role, loads(data), self.attempt)
         self._messages.append(message)
@@ -237,6 +221,9 @@ class Run:
         if self.cancelled:
             # A cancelled run starts no new tool calls (sync handlers reach here too).
             raise asyncio.CancelledError(f"run {self.id} was cancelled")
+        # Before the tool runs: a new call one over max_tool_calls (or any call once the budget
+        # is spent) raises instead.
+        self._meter.check(self._call_count(), more_calls=prior is None)
         pool = self._writable()
         # Registered before the first await, so a second caller finds it.
         outcome: asyncio.Future[Any] = self._loop.create_future()
@@ -298,7 +285,7 @@ class Run:
             data = dumps(result)
         # The tool has run: its result is committed even if a cancellation (a drain's end,
         # the watchdog, a cancel notice) arrives meanwhile; the cancellation comes after.
-        value = await _finish(self._commit(pool, call_id, name, committed_args, status, data))
+        value = await finish_anyway(self._commit(pool, call_id, name, committed_args, status, data))
         faults.hit("checkpoint.committed")
         return value
 
@@ -361,9 +348,52 @@ class Run:
         if not self._control.lost:  # a zombie's progress would be dropped by the database anyway
             self._progress(self.id, self.attempt, encoded)
 
-    def model_call(self, model: str) -> AbstractContextManager[Any]:
-        """Wrap a model call: a `chat {model}` span (GenAI conventions) when tracing is on."""
-        return telemetry.model_span(model)
+    def model_call(self, model: str, provider: str | None = None
+                   ) -> AbstractContextManager[Any]:
+        """Wrap a model call: a `chat {model}` span (GenAI conventions) when tracing is on;
+        record_usage inside it reports the call's tokens on that span."""
+        return telemetry.model_span(model, provider)
+
+    # -- cost --------------------------------------------------------------------------------
+
+    def _call_count(self) -> int:
+        return len(self._calls.keys() | self._inflight.keys())
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """The run's totals across its attempts: input_tokens, output_tokens, cost,
+        tool_calls, turns."""
+        return self._meter.totals(self._call_count()).as_dict()
+
+    async def record_usage(self, *, model: str | None = None, input_tokens: int = 0,
+                           output_tokens: int = 0, cost: float = 0.0,
+                           provider: str | None = None) -> dict[str, Any]:
+        """Add a model call's usage to the run's totals, committed and fenced by the lease (a
+        zombie adds nothing); returns the totals. Raises BudgetExceeded once a total is over
+        its maximum (the usage is recorded: it was spent)."""
+        pool = self._writable()
+        if provider is None and model and ":" in model:
+            provider = model.split(":", 1)[0]
+        calls = self._call_count()
+        totals = await self._meter.record(
+            lambda op: self._db(pool, "usage write", op), run_id=self.id, attempt=self.attempt,
+            calls=calls, input_tokens=input_tokens, output_tokens=output_tokens, cost=cost)
+        telemetry.usage(input_tokens, output_tokens, provider)
+        self._meter.check(calls)
+        return totals.as_dict()
+
+    async def acquire(self, key: str, units: float = 1) -> None:
+        """Wait until rate limit `key` (runpool.set_rate_limit) admits `units`: one statement
+        reserves them, in arrival order across every host, then this waits holding nothing.
+        A cancelled (or timed-out) run stops waiting (CancelledError)."""
+        pool = self._writable()
+        await costs.acquire(pool, self._write_timeout, key, units, self._stopped)
+
+    def _stopped(self) -> str | None:
+        c = self._control
+        if c.cancelled or c.lost or c.closed is not None:
+            return f"run {self.id} was stopped: {c.closed or 'cancelled or lease lost'}"
+        return None
 
     # -- for plain (threaded) handlers -----------------------------------------------------
 
@@ -400,6 +430,18 @@ class Run:
     def progress_sync(self, data: Any) -> None:
         """progress() for a plain `def` handler (which runs in a thread)."""
         self._sync(lambda: self.progress(data))
+
+    def record_usage_sync(self, *, model: str | None = None, input_tokens: int = 0,
+                          output_tokens: int = 0, cost: float = 0.0,
+                          provider: str | None = None) -> dict[str, Any]:
+        """record_usage() for a plain `def` handler."""
+        return self._sync(lambda: self.record_usage(
+            model=model, input_tokens=input_tokens, output_tokens=output_tokens, cost=cost,
+            provider=provider))
+
+    def acquire_sync(self, key: str, units: float = 1) -> None:
+        """acquire() for a plain `def` handler (it stops waiting when the run is stopped)."""
+        self._sync(lambda: self.acquire(key, units))
 
     def __repr__(self) -> str:
         return f"Run(id={self.id}, tenant={self.tenant!r}, attempt={self.attempt})"

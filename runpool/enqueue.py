@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 import psycopg
@@ -22,17 +23,19 @@ __all__ = ["RunSpec", "enqueue", "enqueue_async", "enqueue_many"]
 ENQUEUE: Final = """
 SELECT runpool.enqueue(%(tenant)s, %(handler)s, %(input)s, %(priority)s,
                        %(idempotency_key)s, %(run_at)s, %(max_attempts)s, %(traceparent)s,
-                       %(serial_key)s)
+                       %(serial_key)s, %(timeout)s, %(deadline)s, %(budget)s)
 """
 # Enqueue many runs in one statement; ids come back in input order.
 ENQUEUE_MANY: Final = """
 SELECT runpool.enqueue(s.tenant, s.handler, s.input, s.priority, s.idempotency_key,
-                       s.run_at, s.max_attempts, s.traceparent, s.serial_key)
+                       s.run_at, s.max_attempts, s.traceparent, s.serial_key, s.timeout,
+                       s.deadline, s.budget)
 FROM unnest(%(tenant)s::text[], %(handler)s::text[], %(input)s::jsonb[], %(priority)s::int[],
             %(idempotency_key)s::text[], %(run_at)s::timestamptz[], %(max_attempts)s::int[],
-            %(traceparent)s::text[], %(serial_key)s::text[])
+            %(traceparent)s::text[], %(serial_key)s::text[], %(timeout)s::interval[],
+            %(deadline)s::timestamptz[], %(budget)s::jsonb[])
      WITH ORDINALITY AS s(tenant, handler, input, priority, idempotency_key, run_at,
-                          max_attempts, traceparent, serial_key, n)
+                          max_attempts, traceparent, serial_key, timeout, deadline, budget, n)
 ORDER BY s.n
 """
 
@@ -70,6 +73,12 @@ class RunSpec:
     traceparent: str | None = None
     # Runs sharing (tenant, serial_key) run one at a time, in enqueue order.
     serial_key: str | None = None
+    # Cost control: the longest one attempt may run (seconds or a timedelta), when the run
+    # must have ended, and its budget ({"max_tokens"?, "max_cost"?, "max_tool_calls"?,
+    # "max_turns"?}); validated by the database (runpool.enqueue).
+    timeout: float | timedelta | None = None
+    deadline: datetime | None = None
+    budget: dict[str, Any] | None = None
 
     def params(self) -> dict[str, Any]:
         for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
@@ -86,7 +95,22 @@ class RunSpec:
             "max_attempts": self.max_attempts,
             "traceparent": self.traceparent,
             "serial_key": self.serial_key,
+            "timeout": _interval(self.timeout),
+            "deadline": self.deadline,
+            "budget": None if self.budget is None else jsonb(dumps(self.budget)),
         }
+
+
+def _interval(timeout: float | timedelta | None) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+            or not math.isfinite(timeout):
+        raise InvalidInput(f"timeout must be a number of seconds or a timedelta, got"
+                           f" {timeout!r}")
+    if not 0 < timeout <= 366 * 86400:
+        raise InvalidInput(f"timeout must be more than 0 and at most a year, got {timeout!r}")
+    return timedelta(seconds=timeout)
 
 
 @contextmanager
@@ -153,12 +177,16 @@ def enqueue(
     max_attempts: int | None = None,
     traceparent: str | None = None,
     serial_key: str | None = None,
+    timeout: float | timedelta | None = None,
+    deadline: datetime | None = None,
+    budget: dict[str, Any] | None = None,
 ) -> uuid.UUID:
     """Enqueue a run on conn, joining its transaction; returns the run id (the existing one
     for a repeated idempotency key)."""
     with _enqueue_span(handler, tenant, traceparent) as (span, traceparent):
         spec = RunSpec(tenant, handler, {} if input is None else input, priority,
-                       idempotency_key, run_at, max_attempts, traceparent, serial_key)
+                       idempotency_key, run_at, max_attempts, traceparent, serial_key,
+                       timeout, deadline, budget)
         params = spec.params()
         with _guard(conn):
             row = conn.execute(ENQUEUE, params).fetchone()
@@ -179,11 +207,16 @@ async def enqueue_async(
     max_attempts: int | None = None,
     traceparent: str | None = None,
     serial_key: str | None = None,
+    # The run's timeout (DESIGN names it), not a bound on this call.
+    timeout: float | timedelta | None = None,  # noqa: ASYNC109
+    deadline: datetime | None = None,
+    budget: dict[str, Any] | None = None,
 ) -> uuid.UUID:
     """The asyncio twin of enqueue()."""
     with _enqueue_span(handler, tenant, traceparent) as (span, traceparent):
         spec = RunSpec(tenant, handler, {} if input is None else input, priority,
-                       idempotency_key, run_at, max_attempts, traceparent, serial_key)
+                       idempotency_key, run_at, max_attempts, traceparent, serial_key,
+                       timeout, deadline, budget)
         params = spec.params()
         async with _aguard(conn):
             cur = await conn.execute(ENQUEUE, params)

@@ -11,6 +11,7 @@ import checkpoints
 
 __all__ = [
     "AppNotFound",
+    "BudgetExceeded",
     "DatabaseTimeout",
     "Fail",
     "InvalidInput",
@@ -92,6 +93,19 @@ class Fail(RunpoolError):
         self.reason = reason
 
 
+class BudgetExceeded(RunpoolError):
+    """The run's budget is spent: a total is (or the call would make it) greater than its
+    maximum. Uncaught, the run ends failed with reason budget_exceeded and is not retried."""
+
+    def __init__(self, limit: str, maximum: float, total: float) -> None:
+        super().__init__(f"budget exceeded: {limit} is {maximum:g}, the run's total would be"
+                         f" {total:g}")
+        self.limit = limit
+        self.maximum = maximum
+        self.total = total
+
+
 for _cls in (RunpoolError, InvalidInput, NotFound, LeaseLost, AppNotFound, DatabaseTimeout,
-             UsageError, WorkerFailed, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown, Fail):
+             UsageError, WorkerFailed, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown, Fail,
+             BudgetExceeded):
     _cls.__module__ = "runpool"

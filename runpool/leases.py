@@ -1,6 +1,7 @@
 """Keeping the leases of a worker's runs: one heartbeat statement renews them all (and brings
-back their cancel flags), and a watchdog on the local clock stops a run whose lease may have
-run out while the heartbeat could not get through."""
+back their cancel flags and which are past their timeout or deadline), and a watchdog on the
+local clock stops a run whose lease may have run out while the heartbeat could not get through
+(and asks for a heartbeat when a run's timeout or deadline is due)."""
 
 from __future__ import annotations
 
@@ -48,13 +49,15 @@ class Cadence:
 
 class LeaseKeeper:
     """The leases of the runs in `slots`. What it may do to a run is narrow: `on_cancel(slot)`
-    when the database flags the run cancelled, `on_lost(slot, why)` when its lease is or may
+    when the database flags the run cancelled, `on_overdue(slot, reason)` when the database's
+    clock says it passed its timeout or deadline, `on_lost(slot, why)` when its lease is or may
     be gone. `touch` is told whenever a heartbeat showed the database this worker is alive."""
 
     def __init__(self, *, settings: Settings, dsn: str, worker_id: uuid.UUID,
                  pool: AsyncConnectionPool, slots: Slots, touch: Cadence,
                  on_cancel: Callable[[Slot], None],
-                 on_lost: Callable[[Slot, str], None]) -> None:
+                 on_lost: Callable[[Slot, str], None],
+                 on_overdue: Callable[[Slot, str], None] | None = None) -> None:
         self._settings = settings
         self._dsn = dsn
         self._worker_id = worker_id
@@ -63,7 +66,12 @@ class LeaseKeeper:
         self._touch = touch
         self._on_cancel = on_cancel
         self._on_lost = on_lost
+        self._on_overdue = on_overdue
         self._log = {"worker_id": str(worker_id)}
+        # Set when a run's timeout or deadline is due by the local clock: beat now, so the
+        # database's clock decides at once rather than at the next interval.
+        self._due = asyncio.Event()
+        self._asked = 0.0
 
     async def heartbeat_loop(self) -> None:
         # A connection of its own: with every pooled connection busy writing checkpoints (or
@@ -73,7 +81,11 @@ class LeaseKeeper:
         try:
             interval = self._settings.heartbeat_seconds
             while True:
-                await asyncio.sleep(interval)
+                try:
+                    await asyncio.wait_for(self._due.wait(), interval)
+                except TimeoutError:
+                    pass
+                self._due.clear()
                 # While its connection is being replaced (after a cut, or a silent network),
                 # the heartbeat borrows from the shared pool rather than wait for it.
                 available = beat_pool.get_stats().get("pool_available", 0)
@@ -96,6 +108,7 @@ class LeaseKeeper:
         while True:
             await asyncio.sleep(min(0.5, self._settings.heartbeat_seconds / 2))
             self._abandon_expired()
+            self._ask_when_due()
 
     async def _beat(self, pool: AsyncConnectionPool) -> None:
         # A cancelled or draining run may have a thread still running: its lease is renewed
@@ -112,11 +125,12 @@ class LeaseKeeper:
                 "lease_seconds": s.lease_seconds,
                 "worker_id": self._worker_id,
             })
-            held = {run_id: cancel for run_id, cancel in await cur.fetchall()}
+            held = {run_id: (cancel, overdue) for run_id, cancel, overdue
+                    in await cur.fetchall()}
         self._touch.done(sent)
         for slot in slots:
             if slot.claimed.id in held:
-                cancel = held[slot.claimed.id]
+                cancel, overdue = held[slot.claimed.id]
                 if cancel is None:
                     # Busy: someone holds the row (an API session's open cancel, say). The
                     # lease is neither renewed nor lost; the next beat tries again, and the
@@ -127,8 +141,23 @@ class LeaseKeeper:
                 slot.renew(sent + s.lease_seconds)
                 if cancel:
                     self._on_cancel(slot)
+                elif overdue and self._on_overdue is not None:
+                    self._on_overdue(slot, overdue)
             elif not slot.finishing and self._slots.holds(slot):
                 self._on_lost(slot, "the database no longer shows this attempt's lease")
+
+    def _ask_when_due(self) -> None:
+        """A run whose timeout or deadline has come by the local clock (from the database's
+        at the claim) and is still going: ask the database now, at most every quarter of a
+        second while one is due (the local clock may run a little ahead of it)."""
+        now = time.monotonic()
+        if now - self._asked < 0.25:
+            return
+        for slot in self._slots:
+            if slot.due <= now and slot.stop_reason is None and not slot.finishing:
+                self._asked = now
+                self._due.set()
+                return
 
     def _abandon_expired(self) -> None:
         now = time.monotonic()

@@ -18,10 +18,11 @@ from psycopg_pool import AsyncConnectionPool
 from . import faults
 from .claiming import ClaimedRun, read_claimed
 from .db import bounded, dumps, jsonb, loads, transient
-from .errors import Fail, InvalidInput, ToolOutcomeUnknown
+from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown
 from .queries import QUERIES
 
-__all__ = ["Outcome", "OutcomeWriter", "Refill", "error_doc", "from_exception", "from_result"]
+__all__ = ["Outcome", "OutcomeWriter", "Refill", "error_doc", "from_exception", "from_result",
+           "retry_after"]
 
 logger = logging.getLogger("runpool.outcomes")
 
@@ -88,15 +89,25 @@ def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_
     if isinstance(exc, ToolOutcomeUnknown):
         # Retrying would meet the same unknown outcome: the handler had to handle it.
         return failed(run_id, attempt, "tool_outcome_unknown", str(exc))
+    if isinstance(exc, BudgetExceeded):
+        # More attempts would spend more of what is already spent.
+        return failed(run_id, attempt, "budget_exceeded", str(exc), limit=exc.limit)
     if isinstance(exc, InvalidInput):
         # Bad data from the handler fails the same way on every attempt: no retry storm.
         return failed(run_id, attempt, "invalid_input", str(exc))
     if no_retry and isinstance(exc, no_retry):
         return failed(run_id, attempt, "non_retryable", str(exc), type=type(exc).__name__)
+    return retry_after(run_id, attempt, attempts_used, backoff, error_doc(
+        "exception", str(exc), type=type(exc).__name__,
+        traceback="".join(traceback.format_exception(exc)[-5:])))
+
+
+def retry_after(run_id: uuid.UUID, attempt: int, attempts_used: int, backoff: float,
+                error: bytes) -> Outcome:
+    """A failed attempt retried after an exponential backoff with jitter (capped at an hour);
+    the run fails instead once its attempts are used up (finish_runs decides)."""
     delay = backoff * 2 ** max(attempts_used - 1, 0) * random.uniform(0.75, 1.25)
-    return Outcome(run_id, attempt, "retry", retry_delay=min(delay, 3600.0),
-                   error=error_doc("exception", str(exc), type=type(exc).__name__,
-                                   traceback="".join(traceback.format_exception(exc)[-5:])))
+    return Outcome(run_id, attempt, "retry", retry_delay=min(delay, 3600.0), error=error)
 
 
 class Unreachable(Exception):

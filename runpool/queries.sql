@@ -1,8 +1,10 @@
 -- name: reap_expired
 -- Return runs whose lease expired to the queue (keeping their rank), or end them: failed past
--- max_attempts, cancelled if a cancel was requested. Rings the doorbell when work came back.
+-- max_attempts, cancelled if a cancel was requested, failed deadline_exceeded past the run's
+-- deadline. An attempt whose worker died after its timeout came is recorded as a timeout.
+-- Rings the doorbell when work came back.
 WITH expired AS (
-    SELECT id
+    SELECT id, lease_expires_at
     FROM runpool.runs
     WHERE status = 'running'
       AND lease_expires_at < now()
@@ -14,28 +16,40 @@ reaped AS (
     UPDATE runpool.runs r SET
         status = CASE
             WHEN r.cancel_requested_at IS NOT NULL THEN 'cancelled'
+            WHEN r.deadline <= now() THEN 'failed'
             WHEN runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts THEN 'failed'
             ELSE 'queued' END,
         error = CASE
-            WHEN r.cancel_requested_at IS NULL
-             AND runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts
+            WHEN r.cancel_requested_at IS NOT NULL THEN r.error
+            WHEN r.deadline <= now()
+            THEN jsonb_build_object('reason', 'deadline_exceeded',
+                                    'message', 'the run passed its deadline (its worker stopped)')
+            -- Recorded on a reclaim too (a follower's status event names it).
+            WHEN r.attempt_due < r.lease_expires_at
+            THEN jsonb_build_object('reason', 'timeout',
+                                    'message', 'the attempt passed its timeout (its worker stopped)')
+            WHEN runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts
             THEN jsonb_build_object('reason', 'lease_expired',
                                     'message', 'lease expired on the last allowed attempt')
             ELSE r.error END,
         finished_at = CASE
-            WHEN r.cancel_requested_at IS NOT NULL
+            WHEN r.cancel_requested_at IS NOT NULL OR r.deadline <= now()
               OR runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts THEN now() END,
         lease_expires_at = NULL,
         available_at = now(),
         deferred = false
     FROM expired
     WHERE r.id = expired.id
-    RETURNING r.id, r.attempt, r.status, r.worker_id
+    RETURNING r.id, r.attempt, r.status, r.worker_id,
+              CASE WHEN r.status = 'failed' AND r.error ->> 'reason' = 'deadline_exceeded'
+                   THEN 'deadline_exceeded'
+                   WHEN r.attempt_due < expired.lease_expires_at THEN 'timeout'
+                   ELSE 'lease_expired' END AS reason
 ),
 events AS (
     INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
     SELECT id, CASE status WHEN 'queued' THEN 'reclaimed' ELSE status END, attempt, worker_id,
-           '{"reason": "lease_expired"}'::jsonb
+           jsonb_build_object('reason', reason)
     FROM reaped
 )
 SELECT count(*) AS reaped,
@@ -50,6 +64,34 @@ SELECT extract(epoch FROM (SELECT min(next_fire_at) FROM runpool.schedules
                            WHERE enabled AND error IS NULL) - now())::float8,
        EXISTS (SELECT 1 FROM runpool.schedules
                WHERE enabled AND error IS NULL AND next_fire_at IS NULL);
+
+-- name: expire_deadlines
+-- End queued runs past their deadline (failed, deadline_exceeded), without a worker: at the
+-- reaper's cadence, a bounded batch, through the index of queued runs with a deadline. A run
+-- someone holds right now is left to the next sweep. A run waiting behind its serial key
+-- leaves the line (held = false), as a cancel does.
+WITH due AS (
+    SELECT id
+    FROM runpool.runs
+    WHERE deadline IS NOT NULL AND status = 'queued' AND deadline <= now()
+    ORDER BY deadline
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+),
+ended AS (
+    UPDATE runpool.runs r SET
+        status = 'failed',
+        error = jsonb_build_object('reason', 'deadline_exceeded',
+                                   'message', 'the run passed its deadline before it could end'),
+        finished_at = now(),
+        held = false,
+        deferred = false
+    FROM due
+    WHERE r.id = due.id
+    RETURNING r.id, r.attempt
+)
+INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
+SELECT id, 'failed', attempt, '{"reason": "deadline_exceeded"}'::jsonb FROM ended;
 
 -- name: promote_due
 -- Put runs whose time has come (run_at, retry backoff) into the claim's index (0006: runs
@@ -160,6 +202,8 @@ locked AS (
     WHERE r.id IN (SELECT id FROM candidates)
       AND r.status = 'queued'
       AND NOT r.held
+      -- Past its deadline a run never starts (the deadline sweep ends it).
+      AND (r.deadline IS NULL OR r.deadline > now())
     FOR UPDATE OF r SKIP LOCKED
 ),
 claimed AS (
@@ -168,20 +212,23 @@ claimed AS (
         attempt = r.attempt + 1,
         worker_id = %(worker_id)s,
         lease_expires_at = now() + %(lease_seconds)s * interval '1 second',
-        started_at = now()
+        started_at = now(),
+        attempt_due = now() + r.attempt_timeout
     FROM locked
     WHERE r.id = locked.id
     RETURNING r.id, r.tenant, r.handler, r.attempt,
               runpool.attempts_used(r.attempt, r.attempt_offset) AS attempts_used,
               r.max_attempts,
-              r.input, r.traceparent, r.created_at, r.serial_key, r.rank
+              r.input, r.traceparent, r.created_at, r.serial_key, r.rank, r.budget, r.usage,
+              -- Seconds until the attempt's timeout or the run's deadline, by this clock.
+              extract(epoch FROM least(r.attempt_due, r.deadline) - now())::float8 AS due_in
 ),
 events AS (
     INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id)
     SELECT id, 'claimed', attempt, %(worker_id)s FROM claimed
 )
 SELECT id, tenant, handler, attempt, attempts_used, max_attempts, input, traceparent, created_at,
-       serial_key
+       serial_key, budget, usage, due_in
 FROM claimed
 ORDER BY rank;
 
@@ -193,7 +240,9 @@ ORDER BY rank;
 -- must not stall the leases of every run of this worker. An expired lease is not held:
 -- claimers stopped counting it against the tenant's quota the moment it expired, so reviving
 -- it (a worker back from a freeze) could put the tenant over its quota. The clock is read at
--- the row, after its lock, not at the statement's start.
+-- the row, after its lock, not at the statement's start. `overdue` names a run past its
+-- deadline ('deadline_exceeded') or its attempt past its timeout ('timeout'): the worker stops
+-- it.
 WITH held AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
 ),
@@ -211,14 +260,16 @@ renewed AS (
       AND r.attempt = held.attempt
       AND r.status = 'running'
       AND r.lease_expires_at > clock_timestamp()
-    RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested
+    RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested,
+              CASE WHEN r.deadline <= clock_timestamp() THEN 'deadline_exceeded'
+                   WHEN r.attempt_due <= clock_timestamp() THEN 'timeout' END AS overdue
 ),
 alive AS (
     UPDATE runpool.workers SET last_seen_at = now() WHERE id = %(worker_id)s
 )
-SELECT id, cancel_requested FROM renewed
+SELECT id, cancel_requested, overdue FROM renewed
 UNION ALL
-SELECT r.id, NULL
+SELECT r.id, NULL, NULL
 FROM runpool.runs r
 JOIN held ON r.id = held.id AND r.attempt = held.attempt
 WHERE r.status = 'running' AND r.id NOT IN (SELECT id FROM free);

@@ -13,7 +13,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import checkpoints
 
-from . import outcomes, telemetry
+from . import costs, outcomes, telemetry
 from .app import App
 from .claiming import ClaimedRun
 from .context import Run
@@ -27,6 +27,9 @@ from .slot import Slot, Slots, StopReason
 from .tasks import Background
 
 __all__ = ["SlotRunner"]
+
+# The stops that end the run here (recorded by this worker), unlike a lost lease or a drain.
+ENDING = frozenset({StopReason.CANCELLED, StopReason.TIMEOUT, StopReason.DEADLINE})
 
 # The worker's logger: a slot's story is the worker's (operators filter on one name).
 logger = logging.getLogger("runpool.worker")
@@ -58,6 +61,8 @@ class SlotRunner:
         control = RunControl(asyncio.get_running_loop(), f"runpool-run-{c.id}")
         slot = Slot(c, control, deadline=sent + self._settings.lease_seconds,
                     extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
+        if c.due_in is not None:
+            slot.due = sent + max(c.due_in, 0.0)
         self._slots.add(slot)
         slot.start(self._execute(slot))
 
@@ -143,14 +148,15 @@ class SlotRunner:
                       input=run_input, pool=self._pool, max_message_bytes=s.max_message_bytes,
                       write_timeout=s.lease_seconds / 2, messages=messages, tool_calls=calls,
                       control=slot.control,
-                      progress=self._progress.offer if self._progress is not None else None)
+                      progress=self._progress.offer if self._progress is not None else None,
+                      budget=costs.decode(c.budget), usage=costs.decode(c.usage))
             if handler.is_async:
                 result = await handler.fn(run)
             else:
                 result = await slot.control.threads.call(handler.fn, run)
         except asyncio.CancelledError:
-            if slot.stop_reason is StopReason.CANCELLED:
-                return _cancelled_outcome(slot)
+            if slot.stop_reason in ENDING:
+                return self._stopped_outcome(slot)
             # lease_lost: another attempt may own the run now; shutdown: released by the drain.
             if slot.stop_reason is None:
                 raise
@@ -160,9 +166,9 @@ class SlotRunner:
             self.abandon(slot, "a checkpoint write found the lease taken", cancel=False)
             return None
         except Exception as exc:
-            if slot.stop_reason is StopReason.CANCELLED:
+            if slot.stop_reason in ENDING:
                 # E.g. a plain handler's tool_sync refusing to start a call after the cancel.
-                return _cancelled_outcome(slot)
+                return self._stopped_outcome(slot)
             if not isinstance(exc, Fail | InvalidInput | ToolOutcomeUnknown):
                 logger.warning("run %s raised %s", c.id, type(exc).__name__,
                                extra={"action": "run_raised", **slot.extra})
@@ -170,7 +176,7 @@ class SlotRunner:
                 c.id, c.attempt, exc, attempts_used=c.attempts_used,
                 backoff=s.retry_backoff_seconds, no_retry=handler.no_retry)
         if slot.control.cancelled:
-            return _cancelled_outcome(slot)
+            return self._stopped_outcome(slot)
         return outcomes.from_result(c.id, c.attempt, result, max_bytes=s.max_result_bytes)
 
     async def _resume(self, slot: Slot) -> tuple[list[checkpoints.Message],
@@ -203,6 +209,30 @@ class SlotRunner:
             self._settings.cancel_grace_seconds,
             lambda: self._background.spawn(self._force(slot)))
 
+    def overdue(self, slot: Slot, reason: str) -> None:
+        """The database's clock says the attempt passed its timeout ('timeout') or the run its
+        deadline ('deadline_exceeded'): stopped as a cancel is (the handler gets its
+        cancellation and the cancel grace), then recorded as that failure."""
+        if not slot.expire(StopReason(reason)):
+            return
+        logger.info("stopping run %s: %s", slot.claimed.id, reason,
+                    extra={"action": "run_overdue", "reason": reason, **slot.extra})
+        asyncio.get_running_loop().call_later(
+            self._settings.cancel_grace_seconds,
+            lambda: self._background.spawn(self._force(slot)))
+
+    def _stopped_outcome(self, slot: Slot) -> Outcome:
+        """What a run stopped by the worker (not lost, not released) amounts to."""
+        c = slot.claimed
+        if slot.stop_reason is StopReason.TIMEOUT:
+            return outcomes.retry_after(
+                c.id, c.attempt, c.attempts_used, self._settings.retry_backoff_seconds,
+                outcomes.error_doc("timeout", "the attempt ran past its timeout"))
+        if slot.stop_reason is StopReason.DEADLINE:
+            return outcomes.failed(c.id, c.attempt, "deadline_exceeded",
+                                   "the run ran past its deadline")
+        return _cancelled_outcome(slot)
+
     async def _force(self, slot: Slot) -> None:
         """The handler ignored cancellation past its grace: record it cancelled and free the
         slot; whatever the handler does later is fenced. A thread cannot be stopped, though:
@@ -213,7 +243,7 @@ class SlotRunner:
             self.stuck_check(slot, "ignored its cancellation past the cancel grace")
             return
         slot.finish()
-        await self._outcomes.submit(_cancelled_outcome(slot),
+        await self._outcomes.submit(self._stopped_outcome(slot),
                                     serial=slot.claimed.serial_key is not None)
         self._vacate(slot)
 

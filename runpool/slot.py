@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import uuid
 from collections.abc import Coroutine, Iterator
 from typing import Any
@@ -25,6 +26,11 @@ class StopReason(enum.Enum):
     LEASE_LOST = "lease_lost"
     # The worker drained past its grace: the run is released back to the queue.
     SHUTDOWN = "shutdown"
+    # The database's clock says the attempt passed its timeout: it ends as a failure, reason
+    # 'timeout', and is retried like any failure.
+    TIMEOUT = "timeout"
+    # The database's clock says the run passed its deadline: it ends failed, not retried.
+    DEADLINE = "deadline_exceeded"
 
 
 class Slot:
@@ -32,6 +38,7 @@ class Slot:
 
     - `start(coro)`: the run's task runs `coro` (once);
     - `request_cancel()`: no stop yet and not finishing → CANCELLED;
+    - `expire(reason)`: likewise → TIMEOUT or DEADLINE (the handler sees a cancellation);
     - `abandon(cancel_task=)`: the lease is lost → LEASE_LOST (from any other stop, once);
     - `shut_down()`: no stop yet and not finishing → SHUTDOWN (a drain past its grace);
     - `finish()`: the outcome is being written (the heartbeat must not take that for a lost
@@ -43,7 +50,7 @@ class Slot:
     """
 
     __slots__ = ("_deadline", "_finishing", "_given_up", "_stop", "_task", "claimed",
-                 "control", "extra")
+                 "control", "due", "extra")
 
     def __init__(self, claimed: ClaimedRun, control: RunControl, *, deadline: float,
                  extra: dict[str, str]) -> None:
@@ -57,6 +64,9 @@ class Slot:
         self._given_up = False
         self._deadline = deadline
         self.renew(deadline)
+        # Monotonic time at which the attempt's timeout or the run's deadline comes, by the
+        # database's clock at the claim (inf: neither): the heartbeat is asked then.
+        self.due = math.inf
 
     # -- state (read-only outside) -----------------------------------------------------------
 
@@ -105,6 +115,16 @@ class Slot:
         if self._stop is not None or self._finishing:
             return False
         self._stop = StopReason.CANCELLED
+        self.control.cancel()
+        self.task.cancel()
+        return True
+
+    def expire(self, reason: StopReason) -> bool:
+        """The attempt's time is up (TIMEOUT or DEADLINE): cancel its task as a cancel does;
+        False if it is already stopping or its outcome is written."""
+        if self._stop is not None or self._finishing:
+            return False
+        self._stop = reason
         self.control.cancel()
         self.task.cancel()
         return True

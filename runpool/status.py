@@ -68,6 +68,22 @@ SERIAL_BACKLOG: Final = """
 SELECT tenant, serial_key, count(*) AS waiting FROM runpool.runs WHERE held
 GROUP BY tenant, serial_key ORDER BY waiting DESC, tenant, serial_key LIMIT 10
 """
+# What each tenant's runs spent (runs.usage, across attempts) among the runs still going or
+# that ended within the window.
+USAGE: Final = """
+SELECT tenant, count(*) AS runs,
+       sum((usage ->> 'input_tokens')::bigint) AS input_tokens,
+       sum((usage ->> 'output_tokens')::bigint) AS output_tokens,
+       sum((usage ->> 'cost')::numeric)::float8 AS cost,
+       sum((usage ->> 'tool_calls')::bigint) AS tool_calls,
+       sum((usage ->> 'turns')::bigint) AS turns
+FROM runpool.runs
+WHERE usage IS NOT NULL
+  AND (finished_at IS NULL OR finished_at > now() - %(window)s * interval '1 second')
+GROUP BY tenant
+ORDER BY cost DESC, tenant
+LIMIT 100
+"""
 # One run's story: its events, conversation and tool calls.
 EVENTS: Final = """
 SELECT at, kind, attempt, worker_id, detail FROM runpool.run_events
@@ -124,7 +140,16 @@ def collect(conn: psycopg.Connection[Any], *, window_seconds: float = 3600,
                     **percentiles},
         "workers": _rows(conn, WORKERS),
         "serial_backlog": _rows(conn, SERIAL_BACKLOG),
+        "usage": _usage(conn, window_seconds),
     }
+
+
+def _usage(conn: psycopg.Connection[Any], window_seconds: float) -> list[dict[str, Any]]:
+    # Not through _rows: a cost is summed exactly and kept to the micro-unit, not rounded
+    # to 3 places.
+    cur = conn.cursor(row_factory=dict_row)
+    rows = cur.execute(USAGE, {"window": window_seconds}).fetchall()
+    return [{**r, "cost": round(r["cost"] or 0.0, 6)} for r in rows]
 
 
 def _fmt(seconds: Any) -> str:
@@ -143,6 +168,14 @@ def render(report: dict[str, Any]) -> str:
             f"  queue wait p50 {_fmt(lat['wait_s']['p50'])} p95 {_fmt(lat['wait_s']['p95'])}"
             f" p99 {_fmt(lat['wait_s']['p99'])}  |  run time p50 {_fmt(lat['run_s']['p50'])}"
             f" p95 {_fmt(lat['run_s']['p95'])} p99 {_fmt(lat['run_s']['p99'])}"]
+    if report["usage"]:
+        out += ["", f"usage per tenant (runs going or ended in the last"
+                    f" {lat['window_s'] / 60:.0f} min):",
+                f"  {'tenant':<24}{'runs':>7}{'input tok':>12}{'output tok':>12}{'cost':>12}"
+                f"{'tools':>8}{'turns':>8}"]
+        out += [f"  {u['tenant'][:24]:<24}{u['runs']:>7}{u['input_tokens']:>12}"
+                f"{u['output_tokens']:>12}{u['cost']:>12.4f}{u['tool_calls']:>8}{u['turns']:>8}"
+                for u in report["usage"]]
     if report["in_flight"]:
         out += ["", "in flight (lease left < 0: stuck, reclaimed at the next claim):"]
         for r in report["in_flight"]:

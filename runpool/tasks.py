@@ -4,10 +4,12 @@ that is repeated until the tasks have really ended."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable
-from typing import Any
+from collections.abc import Awaitable, Coroutine, Iterable
+from typing import Any, TypeVar
 
-__all__ = ["Background", "cancel_all"]
+__all__ = ["Background", "cancel_all", "finish_anyway"]
+
+T = TypeVar("T")
 
 
 class Background:
@@ -33,3 +35,34 @@ async def cancel_all(tasks: Iterable[asyncio.Task[None]]) -> None:
         for task in pending:
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=1.0)
+
+
+async def finish_anyway(coro: Awaitable[T]) -> T:
+    """Run `coro` to its end even if the caller is cancelled meanwhile (the cancellation is
+    delivered after it): a finished tool's result must not be thrown away half-committed."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[T] = loop.create_future()
+
+    async def run() -> None:
+        try:
+            value = await coro
+        except BaseException as exc:  # handed to the caller, not left in the task
+            if not outcome.done():
+                outcome.set_exception(exc)
+        else:
+            if not outcome.done():
+                outcome.set_result(value)
+
+    # A task of its own (awaited through a plain future: one loop turn less than
+    # asyncio.shield or asyncio.wait on the path every tool call takes, W7).
+    task = loop.create_task(run())
+    try:
+        return await outcome
+    except asyncio.CancelledError:
+        # Cancelled while committing: finish the commit, then deliver the cancellation.
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                pass
+        raise

@@ -56,9 +56,14 @@ GENAI_OPERATION: Final = "gen_ai.operation.name"
 GENAI_TOOL_NAME: Final = "gen_ai.tool.name"
 GENAI_TOOL_CALL_ID: Final = "gen_ai.tool.call.id"
 GENAI_REQUEST_MODEL: Final = "gen_ai.request.model"
+GENAI_PROVIDER: Final = "gen_ai.provider.name"
+GENAI_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GENAI_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
 
 # The tracer of the worker this code runs under; None: tracing is off.
 _tracer: ContextVar[trace.Tracer | None] = ContextVar("runpool_tracer", default=None)
+# The model call (`chat {model}` span) in progress in this task, which usage is reported on.
+_chat: ContextVar[Span | None] = ContextVar("runpool_chat_span", default=None)
 
 
 def enabled() -> bool:
@@ -179,15 +184,33 @@ def tool_span(name: str, call_id: str) -> Iterator[Span | None]:
 
 
 @contextmanager
-def model_span(model: str) -> Iterator[Span | None]:
+def model_span(model: str, provider: str | None = None) -> Iterator[Span | None]:
     tracer = _tracer.get()
     if tracer is None:
         yield None
         return
-    with tracer.start_as_current_span(
-            f"chat {model}", kind=SpanKind.CLIENT,
-            attributes={GENAI_OPERATION: "chat", GENAI_REQUEST_MODEL: model}) as span:
-        yield span
+    attributes = {GENAI_OPERATION: "chat", GENAI_REQUEST_MODEL: model}
+    if provider:
+        attributes[GENAI_PROVIDER] = provider
+    with tracer.start_as_current_span(f"chat {model}", kind=SpanKind.CLIENT,
+                                      attributes=attributes) as span:
+        token = _chat.set(span)
+        try:
+            yield span
+        finally:
+            _chat.reset(token)
+
+
+def usage(input_tokens: int, output_tokens: int, provider: str | None) -> None:
+    """Report a model call's usage on the `chat` span in progress (GenAI conventions); nothing
+    outside a model call, or when tracing is off."""
+    span = _chat.get()
+    if span is None:
+        return
+    span.set_attribute(GENAI_INPUT_TOKENS, input_tokens)
+    span.set_attribute(GENAI_OUTPUT_TOKENS, output_tokens)
+    if provider:
+        span.set_attribute(GENAI_PROVIDER, provider)
 
 
 def enqueue_traceparent(handler: str, tenant: str) -> tuple[Any, str | None]:

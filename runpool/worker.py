@@ -112,7 +112,8 @@ class Worker:
                 progress=progress)
             self._leases = LeaseKeeper(
                 settings=s, dsn=self.dsn, worker_id=self.id, pool=self._pool, slots=self.slots,
-                touch=self._touch, on_cancel=self._cancel, on_lost=self._runner.abandon)
+                touch=self._touch, on_cancel=self._cancel, on_lost=self._runner.abandon,
+                on_overdue=self._runner.overdue)
             side.append(asyncio.create_task(writer.run(), name="outcomes"))
             side.append(asyncio.create_task(progress.run(), name="progress"))
             side.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
