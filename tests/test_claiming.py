@@ -95,7 +95,7 @@ def test_heartbeat__renews_only_the_current_attempt(conn: psycopg.Connection) ->
     stale = conn.execute(QUERIES["heartbeat"], {**params, "attempts": [1]}).fetchall()
     assert stale == []
     current = conn.execute(QUERIES["heartbeat"], {**params, "attempts": [2]}).fetchall()
-    assert current == [(run_id, False)]
+    assert current == [(run_id, False, None)]  # not cancelled, not overdue
     assert conn.execute("SELECT lease_expires_at > now() + interval '50 seconds'"
                         " FROM runpool.runs").fetchone() == (True,)
 

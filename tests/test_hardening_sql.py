@@ -45,9 +45,10 @@ def _claim(dsn: str, limit: int = 10, **options: Any) -> list[ClaimedRun]:
 
 
 def _beat(conn: psycopg.Connection, runs: list[ClaimedRun]) -> list[tuple[Any, ...]]:
-    return conn.execute(QUERIES["heartbeat"], {
+    # (run id, cancel flag); the third column (overdue) is test_cost's.
+    return [row[:2] for row in conn.execute(QUERIES["heartbeat"], {
         "ids": [r.id for r in runs], "attempts": [r.attempt for r in runs],
-        "lease_seconds": 30, "worker_id": uuid.uuid4()}).fetchall()
+        "lease_seconds": 30, "worker_id": uuid.uuid4()}).fetchall()]
 
 
 def _bounded(conn: psycopg.Connection) -> None:
