@@ -95,3 +95,20 @@ async def emit(run: Run) -> Any:
         i += 1
         await asyncio.sleep(1 / rate if rate else 0.05)
     return None
+
+
+@app.handler("rate_loop")
+async def rate_loop(run: Run) -> Any:
+    """W15: `probes` acquires of a key that always admits at once (the statement's overhead,
+    ms), then acquires of `key` for `seconds`, reporting when each was admitted."""
+    overheads = []
+    for _ in range(int(run.input["probes"])):
+        t0 = time.perf_counter()
+        await run.acquire(run.input["free_key"])
+        overheads.append((time.perf_counter() - t0) * 1000)
+    admitted = []
+    end = time.time() + float(run.input["seconds"])
+    while time.time() < end:
+        await run.acquire(run.input["key"])
+        admitted.append(time.time())
+    return {"overheads_ms": overheads, "admitted": admitted}

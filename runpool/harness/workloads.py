@@ -1,4 +1,4 @@
-"""The benchmark workloads (W1-W13); `python -m runpool bench` runs them."""
+"""The benchmark workloads (W1-W13, W15); `python -m runpool bench` runs them."""
 
 from __future__ import annotations
 
@@ -385,6 +385,42 @@ def w11_schedule_lateness(server: str, *, schedules: int = 20, rounds: int = 5
             "duplicates": int(duplicates[0])}
 
 
+def w15_rate_limit(server: str, *, seconds: float = 30.0, per_minute: float = 600.0,
+                   burst: float = 10.0, window: float = 10.0) -> dict[str, Any]:
+    """W15: 4 workers acquiring one shared key of `per_minute` (burst `burst`) for `seconds`:
+    the achieved rate against the limit, the most units admitted in any `window` seconds
+    against per_minute * window / 60 + burst, and an acquire's overhead when admitted at once
+    (a key that never makes anyone wait)."""
+    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT runpool.set_rate_limit('w15', %s, %s)", (per_minute, burst))
+        conn.execute("SELECT runpool.set_rate_limit('w15-free', 1e12)")
+        specs = [RunSpec(f"tenant{i}", "rate_loop", {"key": "w15", "free_key": "w15-free",
+                                                     "probes": 250, "seconds": seconds})
+                 for i in range(4)]
+        enqueue_many(conn, specs)
+        with _pool(dsn, workers=4, concurrency=1):
+            wait_until(conn, COUNT_DONE, len(specs), timeout=seconds + 120)
+        results = [r for (r,) in conn.execute("SELECT result FROM runpool.runs")]
+        workers = scalar_count(conn, "SELECT count(DISTINCT worker_id) FROM runpool.runs")
+    admitted = sorted(t for r in results for t in r["admitted"])
+    overheads = [ms for r in results for ms in r["overheads_ms"]]
+    span = admitted[-1] - admitted[0]
+    # The steady rate: what was admitted after the first burst, over the time it took.
+    rate = (len(admitted) - 1 - burst) / span * 60 if span > 0 else 0.0
+    most = max(sum(1 for b in admitted if a <= b < a + window) for a in admitted)
+    return {"workload": "W15", "workers": workers, "admitted": len(admitted),
+            "rate_per_min": round(rate, 1), "of_limit": round(rate / per_minute, 3),
+            "max_in_window": most, "window_s": window,
+            "window_bound": per_minute * window / 60 + burst,
+            "acquire_p50_ms": round(percentile(overheads, 50), 3),
+            "acquire_p99_ms": round(percentile(overheads, 99), 3)}
+
+
+def scalar_count(conn: psycopg.Connection[Any], query: Any) -> int:
+    row = conn.execute(query).fetchone()
+    return int(row[0]) if row else 0
+
+
 WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W1": w1_throughput,
     "W1q": lambda server: w1_throughput(server, quotas=True),
@@ -400,4 +436,5 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W11": w11_schedule_lateness,
     "W12": w12_follow_latency,
     "W13": w13_progress_cost,
+    "W15": w15_rate_limit,
 }
