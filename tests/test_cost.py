@@ -29,6 +29,7 @@ from runpool.db import aconnect
 from runpool.queries import QUERIES
 from runpool.status import collect
 from tests.helpers import events, run_row, running_pool, scalar, status_of, wait_for
+from tests.test_cli import cli
 
 APP = "tests.cost_apps:app"
 
@@ -112,6 +113,25 @@ def test_enqueue_many_and_cli__carry_timeout_deadline_budget(
     assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 2
 
 
+def test_cli_enqueue_cost_options_and_status_usage(conn: psycopg.Connection, dsn: str) -> None:
+    out = cli(dsn, "enqueue", "acme", "noop", "--timeout", "2.5", "--deadline",
+              "2030-01-01T00:00:00+00:00", "--budget", '{"max_turns": 3}')
+    assert out.returncode == 0, out.stderr
+    row = run_row(conn, uuid.UUID(out.stdout.strip()))
+    assert row["attempt_timeout"] == timedelta(seconds=2.5)
+    assert row["deadline"] == datetime(2030, 1, 1, tzinfo=UTC)
+    assert row["budget"] == {"max_turns": 3}
+    out = cli(dsn, "enqueue", "acme", "noop", "--budget", '{"max_turns": -3}')
+    assert out.returncode != 0 and "budget.max_turns" in out.stderr
+    conn.execute("UPDATE runpool.runs SET usage = %s", (psycopg.types.json.Jsonb({
+        "input_tokens": 7, "output_tokens": 3, "cost": 0.125, "tool_calls": 2, "turns": 1}),))
+    out = cli(dsn, "status")
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.strip().startswith("acme ")
+               and "0.1250" in x]
+    assert line.split() == ["acme", "1", "7", "3", "0.1250", "2", "1"]
+
+
 # -- deadlines and timeouts, by the database's clock ---------------------------------------------
 
 def test_queued_run_past_its_deadline__ends_without_a_worker_and_never_starts(
@@ -125,8 +145,13 @@ def test_queued_run_past_its_deadline__ends_without_a_worker_and_never_starts(
                  " WHERE id IN (%s, %s)", (soon, later))
     wait_for(lambda: scalar(conn, "SELECT now() > deadline FROM runpool.runs WHERE id = %s",
                             soon), what="the deadline to pass")
+    # A caller's open transaction on one of them delays only that run: the sweep skips it.
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT 1 FROM runpool.runs WHERE id = %s FOR UPDATE", (past,))
+        assert [c.id for c in _claim(dsn)] == [later]
+        assert status_of(conn, past) == "queued"
     # The sweep rides on the claim's reap: both runs past their deadline end, unclaimed.
-    assert [c.id for c in _claim(dsn)] == [later]
+    assert _claim(dsn) == []
     for run_id in (soon, past):
         assert status_of(conn, run_id) == "failed"
         assert _error(conn, run_id)["reason"] == "deadline_exceeded"
