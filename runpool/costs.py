@@ -20,7 +20,7 @@ from .limits import NAME_MAX_LENGTH
 
 __all__ = ["LIMITS", "Usage", "acquire", "check", "decode", "recorder"]
 
-# Each budget limit and the usage total it bounds (migration 0010's check_budget accepts these
+# Each budget limit and the usage total it bounds (migration 0011's check_budget accepts these
 # keys and no others).
 LIMITS: Final = (("max_tokens", "tokens"), ("max_cost", "cost"),
                  ("max_tool_calls", "tool_calls"), ("max_turns", "turns"))
@@ -47,7 +47,7 @@ SELECT r.usage::text FROM runpool.runs r
 WHERE r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.status = 'running'
   AND r.usage_write = %(write)s
 """
-# Reserve units of a rate limit; the seconds to wait before using them (see 0010).
+# Reserve units of a rate limit; the seconds to wait before using them (see 0011).
 ACQUIRE: Final = "SELECT runpool.acquire_rate(%(key)s, %(units)s)"
 
 # How often a waiting acquire looks whether its run was stopped (a plain handler's wait runs
