@@ -382,12 +382,13 @@ class Run:
         self._meter.check(calls)
         return totals.as_dict()
 
-    async def acquire(self, key: str, units: float = 1) -> None:
+    async def acquire(self, key: str, units: float = 1) -> float:
         """Wait until rate limit `key` (runpool.set_rate_limit) admits `units`: one statement
-        reserves them, in arrival order across every host, then this waits holding nothing.
-        A cancelled (or timed-out) run stops waiting (CancelledError)."""
+        reserves them, in arrival order across every host, then this waits holding nothing;
+        returns the seconds the reservation said to wait (0: admitted at once). A cancelled
+        (or timed-out) run stops waiting (CancelledError)."""
         pool = self._writable()
-        await costs.acquire(pool, self._write_timeout, key, units, self._stopped)
+        return await costs.acquire(pool, self._write_timeout, key, units, self._stopped)
 
     def _stopped(self) -> str | None:
         c = self._control
@@ -439,9 +440,9 @@ class Run:
             model=model, input_tokens=input_tokens, output_tokens=output_tokens, cost=cost,
             provider=provider))
 
-    def acquire_sync(self, key: str, units: float = 1) -> None:
+    def acquire_sync(self, key: str, units: float = 1) -> float:
         """acquire() for a plain `def` handler (it stops waiting when the run is stopped)."""
-        self._sync(lambda: self.acquire(key, units))
+        return self._sync(lambda: self.acquire(key, units))
 
     def __repr__(self) -> str:
         return f"Run(id={self.id}, tenant={self.tenant!r}, attempt={self.attempt})"

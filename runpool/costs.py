@@ -134,7 +134,8 @@ async def acquire(pool: AsyncConnectionPool, seconds: float, key: str, units: fl
     """Take `units` of rate limit `key`: one short statement reserves them (in arrival order,
     across every host), then the caller sleeps exactly until they are its own, holding no
     transaction. `stopped()` names why the run stopped (cancelled, timed out, lease lost),
-    which ends the wait with CancelledError. Returns the seconds waited."""
+    which ends the wait with CancelledError. Returns the seconds the reservation said to
+    wait."""
     _key(key, units)
     why = stopped()
     if why:

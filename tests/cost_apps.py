@@ -71,14 +71,15 @@ async def usage_then_die(run: runpool.Run) -> Any:
 
 @app.handler("acquire")
 async def acquire(run: runpool.Run) -> Any:
-    """Acquires its key, then logs the moment it was admitted (this host's clock, which
-    every pool of the test shares)."""
-    await run.acquire(run.input["key"], run.input.get("units", 1))
+    """Acquires its key, then logs the moment it was admitted and the one its reservation
+    planned (this host's clock, which every pool of the test shares)."""
+    asked = time.time()
+    waited = await run.acquire(run.input["key"], run.input.get("units", 1))
     admitted = time.time()
     async with await psycopg.AsyncConnection.connect(os.environ["RUNPOOL_DSN"],
                                                      autocommit=True) as conn:
-        await conn.execute("INSERT INTO rate_log (run_id, at) VALUES (%s, %s)",
-                           (run.id, admitted))
+        await conn.execute("INSERT INTO rate_log (run_id, at, planned) VALUES (%s, %s, %s)",
+                           (run.id, admitted, asked + waited))
     return {"admitted": True}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import signal
 import uuid
@@ -342,7 +343,8 @@ def test_usage__totals_across_a_reclaim_and_per_tenant_in_status(
 
 def test_rate_limit_shared_by_two_pools__within_limit_plus_burst_in_every_window(
         conn: psycopg.Connection, dsn: str) -> None:
-    conn.execute("CREATE TABLE rate_log (run_id uuid, at double precision)")
+    conn.execute("CREATE TABLE rate_log (run_id uuid, at double precision,"
+                 " planned double precision)")
     conn.execute("GRANT ALL ON rate_log TO PUBLIC")
     conn.execute("SELECT runpool.set_rate_limit('openai:gpt-x', 600, 3)")  # 10/s, burst 3
     n = 45
@@ -353,11 +355,19 @@ def test_rate_limit_shared_by_two_pools__within_limit_plus_burst_in_every_window
         wait_for(lambda: scalar(conn, "SELECT count(*) FROM rate_log") == n, timeout=30,
                  what="every run admitted")
     assert all(status_of(conn, i) == "succeeded" for i in ids)
-    ats = sorted(at for (at,) in conn.execute("SELECT at FROM rate_log"))
-    # In any window of 1 s at most 10 + burst 3 start (+1: a waiter's timer firing late
-    # may bunch it with the next one).
-    worst = max(sum(1 for b in ats if a <= b < a + 1.0) for a in ats)
-    assert worst <= 10 + 3 + 1, worst
+    rows = conn.execute("SELECT at, planned FROM rate_log").fetchall()
+
+    def most_in_a_second(times: list[float]) -> int:
+        times = sorted(times)
+        return max(sum(1 for b in times if a <= b < a + 1.0) for a in times)
+
+    # The reservations both pools got: at most 10 a second + burst 3 (+1: the plan is read
+    # on each host's clock around the statement, a millisecond either way at a window's edge).
+    assert most_in_a_second([p for _, p in rows]) <= 10 + 3 + 1
+    # What the handlers saw: the same, but a timer firing late (a loaded machine) bunches a
+    # waiter with the next ones by at most its lateness' worth of the rate.
+    late = max(at - planned for at, planned in rows)
+    assert most_in_a_second([at for at, _ in rows]) <= 10 + 3 + 1 + math.ceil(10 * late)
     # Two pools served it (the limit was shared, not per pool).
     assert scalar(conn, "SELECT count(DISTINCT worker_id) FROM runpool.runs") == 2
 
