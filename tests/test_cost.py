@@ -352,8 +352,10 @@ def test_rate_limit_shared_by_two_pools__within_limit_plus_burst_in_every_window
                                                       {"key": "openai:gpt-x"})
                                       for i in range(n)])
     with running_pool(dsn, APP, concurrency=8), running_pool(dsn, APP, concurrency=8):
-        wait_for(lambda: scalar(conn, "SELECT count(*) FROM rate_log") == n, timeout=30,
-                 what="every run admitted")
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.runs"
+                                      " WHERE status = 'succeeded'") == n, timeout=30,
+                 what="every run admitted and finished")
+    assert scalar(conn, "SELECT count(*) FROM rate_log") == n
     assert all(status_of(conn, i) == "succeeded" for i in ids)
     rows = conn.execute("SELECT at, planned FROM rate_log").fetchall()
 
