@@ -36,6 +36,14 @@ async def spend_tokens(run: runpool.Run) -> Any:
     return run.usage
 
 
+@app.handler("spend_tokens_sync")
+def spend_tokens_sync(run: runpool.Run) -> Any:
+    """spend_tokens as a plain handler (record_usage_sync, in its thread)."""
+    for _ in range(10):
+        run.record_usage_sync(model="m", input_tokens=40, output_tokens=20, cost=0.01)
+    return run.usage
+
+
 @app.handler("call_tools")
 async def call_tools(run: runpool.Run) -> Any:
     """Calls tools until its budget stops it."""

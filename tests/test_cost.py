@@ -241,6 +241,16 @@ def test_record_usage__fenced_idempotent_on_the_chat_span_and_a_zombie_adds_noth
                 assert (await op(aconn, 1))["input_tokens"] == 100
             with pytest.raises(runpool.InvalidInput, match="input_tokens"):
                 await run.record_usage(input_tokens=-1)
+            # Rate limits from Python: refusals are InvalidInput, nothing reserved.
+            async with pool.connection() as aconn:
+                await aconn.execute("SELECT runpool.set_rate_limit('k', 60)")
+            for key, units, message in [("nope", 1, 'no rate limit named "nope"'),
+                                        ("k", 0, "units must be a finite number > 0"),
+                                        ("k", 61, "more than rate limit"),
+                                        ("", 1, "key must be 1 to")]:
+                with pytest.raises(runpool.InvalidInput, match=message):
+                    await run.acquire(key, units)
+            assert await run.acquire("k", 1) == 0  # the first unit of an idle key: at once
             with pytest.raises(runpool.BudgetExceeded, match="max_cost"):
                 await run.record_usage(cost=0.6)  # recorded: it was spent
             # The attempt is reclaimed: the zombie's usage is refused, nothing added.
@@ -305,14 +315,17 @@ def test_budget_exceeded__at_record_usage_tool_and_add_message(
     tokens = runpool.enqueue(conn, "t", "spend_tokens", budget={"max_tokens": 150})
     tools = runpool.enqueue(conn, "t", "call_tools", budget={"max_tool_calls": 2})
     turns = runpool.enqueue(conn, "t", "take_turns", budget={"max_turns": 2})
+    plain = runpool.enqueue(conn, "t", "spend_tokens_sync", budget={"max_tokens": 150})
     with running_pool(dsn, APP):
         wait_for(lambda: all(status_of(conn, r) in ("failed", "succeeded")
-                             for r in (tokens, tools, turns)), timeout=20, what="the runs")
+                             for r in (tokens, tools, turns, plain)), timeout=20,
+                 what="the runs")
     # record_usage: the third call (180 tokens) is recorded and raises; not retried.
-    assert status_of(conn, tokens) == "failed"
-    assert _error(conn, tokens)["reason"] == "budget_exceeded"
-    assert run_row(conn, tokens)["attempt"] == 1
-    assert run_row(conn, tokens)["usage"]["input_tokens"] == 120
+    for run_id in (tokens, plain):
+        assert status_of(conn, run_id) == "failed"
+        assert _error(conn, run_id)["reason"] == "budget_exceeded"
+        assert run_row(conn, run_id)["attempt"] == 1
+        assert run_row(conn, run_id)["usage"]["input_tokens"] == 120
     # tool: the third call raises before it runs, so it is not even recorded.
     assert _error(conn, tools)["reason"] == "budget_exceeded"
     assert run_row(conn, tools)["attempt"] == 1
