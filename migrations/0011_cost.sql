@@ -253,17 +253,16 @@ $$;
 
 -- Admit `units` of a rate-limited key: reserves them at once (FIFO: each reservation starts
 -- no earlier than the one before) and returns the seconds the caller must wait before using
--- them (0: admitted now). No lock is held while the caller waits. Units above what the key
--- admits in a minute plus its burst could never be admitted without starving the key for
--- everyone else: refused.
-CREATE FUNCTION runpool.acquire_rate(key text, units double precision DEFAULT 1)
-RETURNS double precision
+-- them (0: admitted now), and the key's tat after this reservation (release_rate's token). No
+-- lock is held while the caller waits. Units above what the key admits in a minute plus its
+-- burst could never be admitted without starving the key for everyone else: refused.
+CREATE FUNCTION runpool.acquire_rate(key text, units double precision DEFAULT 1,
+                                     OUT wait double precision, OUT reserved_until timestamptz)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
     at timestamptz := clock_timestamp();
-    wait double precision;
     limit_per_minute double precision;
     limit_burst double precision;
 BEGIN
@@ -278,10 +277,11 @@ BEGIN
     -- The reservation starts at max(now, old tat - burst's time): the old tat is the new one
     -- less these units' time.
     RETURNING greatest(0, extract(epoch FROM
-                  l.tat - at - (acquire_rate.units + l.burst) * (60.0 / l.per_minute) * interval '1 second'))
-    INTO wait;
+                  l.tat - at - (acquire_rate.units + l.burst) * (60.0 / l.per_minute) * interval '1 second')),
+              l.tat
+    INTO wait, reserved_until;
     IF FOUND THEN
-        RETURN wait;
+        RETURN;
     END IF;
     SELECT l.per_minute, l.burst INTO limit_per_minute, limit_burst
     FROM runpool.rate_limits l WHERE l.key = acquire_rate.key;
@@ -295,17 +295,34 @@ BEGIN
 END
 $$;
 
+-- Give back a reservation that will not be used (its run was cancelled while it waited), if
+-- it is still the key's last one (tat = its reserved_until): then no later reservation was
+-- planned after it, and the key is exactly as if it had never been made. Otherwise nothing
+-- changes (returning units from the middle of the line could let the key exceed its limit).
+CREATE FUNCTION runpool.release_rate(key text, units double precision,
+                                     reserved_until timestamptz) RETURNS boolean
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+UPDATE runpool.rate_limits l
+SET tat = l.tat - release_rate.units * (60.0 / l.per_minute) * interval '1 second'
+WHERE l.key = release_rate.key AND l.tat = release_rate.reserved_until
+  AND release_rate.units > 0
+RETURNING true
+$$;
+
 REVOKE ALL ON FUNCTION
     runpool.check_budget(jsonb),
     runpool.enqueue(text, text, jsonb, integer, text, timestamptz, integer, text, text,
                     interval, timestamptz, jsonb),
     runpool.set_rate_limit(text, double precision, double precision),
-    runpool.acquire_rate(text, double precision)
+    runpool.acquire_rate(text, double precision),
+    runpool.release_rate(text, double precision, timestamptz)
 FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     runpool.enqueue(text, text, jsonb, integer, text, timestamptz, integer, text, text,
                     interval, timestamptz, jsonb),
-    runpool.acquire_rate(text, double precision)
+    runpool.acquire_rate(text, double precision),
+    runpool.release_rate(text, double precision, timestamptz)
 TO runpool_api, runpool_worker;
 -- Setting limits is the operator's (as set_tenant_quota is).
 GRANT EXECUTE ON FUNCTION runpool.set_rate_limit(text, double precision, double precision)

@@ -4,6 +4,7 @@ the shared rate limits it waits for. The Run (runpool.context) calls these; the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -17,8 +18,11 @@ from psycopg_pool import AsyncConnectionPool
 from .db import bounded, loads, translate_error
 from .errors import BudgetExceeded, InvalidInput, LeaseLost
 from .limits import NAME_MAX_LENGTH
+from .tasks import finish_anyway
 
 __all__ = ["LIMITS", "Usage", "acquire", "check", "decode", "recorder"]
+
+logger = logging.getLogger("runpool.costs")
 
 # Each budget limit and the usage total it bounds (migration 0011's check_budget accepts these
 # keys and no others).
@@ -47,8 +51,11 @@ SELECT r.usage::text FROM runpool.runs r
 WHERE r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.status = 'running'
   AND r.usage_write = %(write)s
 """
-# Reserve units of a rate limit; the seconds to wait before using them (see 0011).
-ACQUIRE: Final = "SELECT runpool.acquire_rate(%(key)s, %(units)s)"
+# Reserve units of a rate limit: the seconds to wait before using them, and the reservation's
+# token for release_rate (see 0011).
+ACQUIRE: Final = "SELECT wait, reserved_until FROM runpool.acquire_rate(%(key)s, %(units)s)"
+# Give a reservation back, if no later one was planned after it.
+RELEASE: Final = "SELECT runpool.release_rate(%(key)s, %(units)s, %(until)s)"
 
 # How often a waiting acquire looks whether its run was stopped (a plain handler's wait runs
 # on the loop, outside the task the worker cancels).
@@ -146,16 +153,30 @@ async def acquire(pool: AsyncConnectionPool, seconds: float, key: str, units: fl
             row = await cur.fetchone()
     except psycopg.Error as exc:
         raise translate_error(exc) from exc
-    wait = float(row[0]) if row else 0.0
+    assert row is not None
+    wait, until = float(row[0]), row[1]
     end = time.monotonic() + wait
-    while (left := end - time.monotonic()) > 0:
-        await asyncio.sleep(min(left, STOP_POLL_SECONDS))
-        why = stopped()
-        if why:
-            # The reserved units are not given back: later reservations were placed after
-            # them, and returning them could let the key go over its limit.
-            raise asyncio.CancelledError(why)
+    try:
+        while (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, STOP_POLL_SECONDS))
+            why = stopped()
+            if why:
+                raise asyncio.CancelledError(why)
+    except BaseException:
+        # Stopped while waiting: the units go back if no later reservation was planned after
+        # them (best effort: on failure they are simply not used).
+        await finish_anyway(_release(pool, key, float(units), until))
+        raise
     return wait
+
+
+async def _release(pool: AsyncConnectionPool, key: str, units: float, until: Any) -> None:
+    try:
+        async with bounded(pool, 2.0) as conn:
+            await conn.execute(RELEASE, {"key": key, "units": units, "until": until})
+    except Exception as exc:  # the reservation lapses unused: safe, only wasteful
+        logger.info("rate limit %r: units not given back: %r", key, exc,
+                    extra={"action": "rate_release_failed"})
 
 
 Write = Callable[[Callable[[psycopg.AsyncConnection[Any], int], Awaitable[dict[str, Any]]]],

@@ -278,11 +278,32 @@ def test_record_usage__fenced_idempotent_on_the_chat_span_and_a_zombie_adds_noth
 def test_acquire_rate__reserves_in_arrival_order_paced_after_the_burst(
         conn: psycopg.Connection) -> None:
     conn.execute("SELECT runpool.set_rate_limit('k', 600, 2)")
-    waits = [scalar(conn, "SELECT runpool.acquire_rate('k', 1)") for _ in range(8)]
+    waits = [scalar(conn, "SELECT wait FROM runpool.acquire_rate('k', 1)") for _ in range(8)]
     # burst 2: three start at once (the bucket is full), then one per 0.1 s, in order.
     assert waits[:3] == [0, 0, 0]
     assert all(b > a for a, b in itertools.pairwise(waits[2:]))
     assert waits[-1] == pytest.approx(0.5, abs=0.05)
+
+
+def test_release_rate__gives_back_only_the_last_reservation(conn: psycopg.Connection) -> None:
+    conn.execute("SELECT runpool.set_rate_limit('k', 60)")  # one a second, no burst
+
+    def acquire() -> tuple[float, Any]:
+        row = conn.execute("SELECT wait, reserved_until FROM runpool.acquire_rate('k')"
+                           ).fetchone()
+        assert row is not None
+        return float(row[0]), row[1]
+
+    def release(until: Any) -> bool | None:
+        return scalar(conn, "SELECT runpool.release_rate('k', 1, %s)", until)  # type: ignore[no-any-return]
+
+    acquire()
+    (_, middle), (last_wait, last) = acquire(), acquire()
+    assert release(middle) is None  # a later reservation was planned after it: kept
+    assert release(last) is True
+    assert release(last) is None  # once
+    # The next one takes the released place, not the one after it.
+    assert acquire()[0] == pytest.approx(last_wait, abs=0.1)
 
 
 # -- real pools -----------------------------------------------------------------------------------
@@ -391,6 +412,7 @@ def test_cancelled_run_waiting_for_a_rate_limit__stops_waiting(
         conn: psycopg.Connection, dsn: str) -> None:
     conn.execute("SELECT runpool.set_rate_limit('slow', 1)")  # one a minute
     conn.execute("SELECT runpool.acquire_rate('slow', 1)")  # this minute's is taken
+    planned = scalar(conn, "SELECT tat FROM runpool.rate_limits WHERE key = 'slow'")
     waiting = runpool.enqueue(conn, "t", "acquire", {"key": "slow"})
     plain = runpool.enqueue(conn, "t", "acquire_sync", {"key": "slow"})
     with running_pool(dsn, APP, cancel_grace_seconds=30):
@@ -402,6 +424,10 @@ def test_cancelled_run_waiting_for_a_rate_limit__stops_waiting(
         wait_for(lambda: status_of(conn, waiting) == "cancelled"
                  and status_of(conn, plain) == "cancelled", timeout=10,
                  what="both waits to end on the cancel")
+    # The last reservation was given back (the other too when it was cancelled last): the
+    # key's line is at most one minute longer than before the two runs came.
+    tat = scalar(conn, "SELECT tat FROM runpool.rate_limits WHERE key = 'slow'")
+    assert tat <= planned + timedelta(minutes=1)
 
 
 def test_worker_killed_mid_run_with_a_deadline__the_restarted_worker_ends_it(
