@@ -106,9 +106,11 @@ async def rate_loop(run: Run) -> Any:
         t0 = time.perf_counter()
         await run.acquire(run.input["free_key"])
         overheads.append((time.perf_counter() - t0) * 1000)
-    admitted = []
+    admitted, planned = [], []
     end = time.time() + float(run.input["seconds"])
     while time.time() < end:
-        await run.acquire(run.input["key"])
+        asked = time.time()
+        wait = await run.acquire(run.input["key"])
         admitted.append(time.time())
-    return {"overheads_ms": overheads, "admitted": admitted}
+        planned.append(asked + wait)
+    return {"overheads_ms": overheads, "admitted": admitted, "planned": planned}
