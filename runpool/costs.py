@@ -24,7 +24,7 @@ __all__ = ["LIMITS", "Usage", "acquire", "check", "decode", "recorder"]
 
 logger = logging.getLogger("runpool.costs")
 
-# Each budget limit and the usage total it bounds (migration 0011's check_budget accepts these
+# Each budget limit and the usage total it bounds (migration 0012's check_budget accepts these
 # keys and no others).
 LIMITS: Final = (("max_tokens", "tokens"), ("max_cost", "cost"),
                  ("max_tool_calls", "tool_calls"), ("max_turns", "turns"))
@@ -52,7 +52,7 @@ WHERE r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.status = 'running'
   AND r.usage_write = %(write)s
 """
 # Reserve units of a rate limit: the seconds to wait before using them, and the reservation's
-# token for release_rate (see 0011).
+# token for release_rate (see 0012).
 ACQUIRE: Final = "SELECT wait, reserved_until FROM runpool.acquire_rate(%(key)s, %(units)s)"
 # Give a reservation back, if no later one was planned after it.
 RELEASE: Final = "SELECT runpool.release_rate(%(key)s, %(units)s, %(until)s)"

@@ -98,6 +98,14 @@ def test_web_api_routes__create_read_cancel_retry(console: httpx.Client, conn) -
     ({"tenant": "ac\u0000me", "handler": "noop"}, "tenant"),
     ({"tenant": "acme", "handler": "noop", "input": {"blob": "x" * 1_100_000}}, "input"),
     ({"tenant": "acme", "handler": "noop", "tenat": "typo"}, "tenat"),
+    ({"tenant": "acme", "handler": "noop", "timeout": "5"}, "timeout"),
+    ({"tenant": "acme", "handler": "noop", "timeout": 0}, "timeout"),
+    ({"tenant": "acme", "handler": "noop", "timeout": True}, "timeout"),
+    ({"tenant": "acme", "handler": "noop", "deadline": "soon"}, "deadline"),
+    ({"tenant": "acme", "handler": "noop", "deadline": "2030-01-01T00:00:00"}, "deadline"),
+    ({"tenant": "acme", "handler": "noop", "budget": [1]}, "budget"),
+    ({"tenant": "acme", "handler": "noop", "budget": {"max_tokens": -1}}, "budget.max_tokens"),
+    ({"tenant": "acme", "handler": "noop", "budget": {"max_money": 1}}, "budget.max_money"),
     (["tenant", "acme"], "body"),
 ])
 def test_web_api_bad_input__400_naming_the_field_and_nothing_written(
@@ -106,6 +114,17 @@ def test_web_api_bad_input__400_naming_the_field_and_nothing_written(
     assert answer.status_code == 400, answer.text
     assert field in answer.json()["error"], answer.json()
     assert _runs(conn) == 0
+
+
+def test_web_api_cost_options__stored_and_read_back(console: httpx.Client, conn) -> None:
+    made = console.post("/api/runs", json={
+        "tenant": "acme", "handler": "noop", "timeout": 2.5,
+        "deadline": "2030-01-01T00:00:00+00:00", "budget": {"max_turns": 3}})
+    assert made.status_code == 201, made.text
+    run = console.get(f"/api/runs/{made.json()['id']}").json()
+    assert run["budget"] == {"max_turns": 3} and run["usage"] is None
+    assert run["deadline"].startswith("2030-01-01T00:00:00")
+    assert scalar(conn, "SELECT extract(epoch FROM attempt_timeout) FROM runpool.runs") == 2.5
 
 
 def test_web_api_bad_requests__clear_errors_nothing_written(console: httpx.Client, conn

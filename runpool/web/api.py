@@ -41,13 +41,20 @@ _FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "run_at": (str, type(None)),
     "max_attempts": (int, type(None)),
     "traceparent": (str, type(None)),
+    # Cost control: seconds one attempt may run, when the run must end (ISO 8601 with a time
+    # zone), and its budget object (enqueue validates the values).
+    "timeout": (int, float, type(None)),
+    "deadline": (str, type(None)),
+    "budget": (dict, type(None)),
 }
-_TYPE_NAMES: Final = {str: "a string", int: "an integer", type(None): "null", object: "JSON"}
+_TYPE_NAMES: Final = {str: "a string", int: "an integer", float: "a number",
+                      dict: "an object", type(None): "null", object: "JSON"}
 
-# The run columns GET /api/runs/{id} answers with (usage once a migration adds it).
+# The run columns GET /api/runs/{id} answers with.
 RUN_KEYS: Final = (
     "id", "tenant", "handler", "status", "priority", "attempt", "max_attempts", "input",
-    "result", "error", "usage", "idempotency_key", "serial_key", "cancel_reason",
+    "result", "error", "usage", "budget", "deadline", "idempotency_key", "serial_key",
+    "cancel_reason",
     "created_at", "started_at", "finished_at", "lease_expires_at", "cancel_requested_at",
 )
 
@@ -89,15 +96,15 @@ def _check_fields(body: dict[str, Any]) -> None:
             raise InvalidInput(f"{name}: must be {wanted}")
 
 
-def _run_at(text: str | None) -> datetime | None:
+def _time(name: str, text: str | None) -> datetime | None:
     if text is None:
         return None
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        raise InvalidInput(f"run_at: not an ISO 8601 time: {text[:60]!r}") from None
+        raise InvalidInput(f"{name}: not an ISO 8601 time: {text[:60]!r}") from None
     if when.tzinfo is None:
-        raise InvalidInput("run_at: give a time zone (e.g. 2026-12-01T02:30:00Z)")
+        raise InvalidInput(f"{name}: give a time zone (e.g. 2026-12-01T02:30:00Z)")
     return when
 
 
@@ -113,12 +120,13 @@ async def create_run(request: Request) -> Response:
     if "handler" not in body:
         raise InvalidInput("handler: required")
     options = {k: body[k] for k in ("idempotency_key", "serial_key", "max_attempts",
-                                    "traceparent") if k in body}
+                                    "traceparent", "timeout", "budget") if k in body}
     async with web.connection() as conn:
         try:
             run_id = await enqueue_async(
                 conn, tenant, body["handler"], body.get("input", {}),
-                priority=body.get("priority", 0), run_at=_run_at(body.get("run_at")), **options)
+                priority=body.get("priority", 0), run_at=_time("run_at", body.get("run_at")),
+                deadline=_time("deadline", body.get("deadline")), **options)
         except psycopg.Error as exc:
             raise translate_error(exc) from exc
     return JSONResponse({"id": str(run_id)}, status_code=201)

@@ -1,4 +1,4 @@
--- 0011_cost: cost control (issue 17) — per-attempt timeouts, run deadlines, budgets, usage
+-- 0012_cost: cost control (issue 17) — per-attempt timeouts, run deadlines, budgets, usage
 -- totals and token-bucket rate limits shared by every worker on every host.
 --
 -- Everything is enforced by the database's clock through the existing machinery: the claim
