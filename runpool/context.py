@@ -161,7 +161,7 @@ class Run:
 
         turn = role == TURN_ROLE
         async with self._write_lock:
-            if turn:
+            if turn and self._meter.budget:
                 # A turn over max_turns (or past a spent budget) is refused before it is written;
                 # other messages (a wrap-up note, say) are always accepted.
                 self._meter.check(self._call_count(), more_turns=1)
@@ -221,9 +221,10 @@ class Run:
         if self.cancelled:
             # A cancelled run starts no new tool calls (sync handlers reach here too).
             raise asyncio.CancelledError(f"run {self.id} was cancelled")
-        # Before the tool runs: a new call one over max_tool_calls (or any call once the budget
-        # is spent) raises instead.
-        self._meter.check(self._call_count(), more_calls=prior is None)
+        if self._meter.budget:
+            # Before the tool runs: a new call one over max_tool_calls (or any call once the
+            # budget is spent) raises instead.
+            self._meter.check(self._call_count(), more_calls=prior is None)
         pool = self._writable()
         # Registered before the first await, so a second caller finds it.
         outcome: asyncio.Future[Any] = self._loop.create_future()
