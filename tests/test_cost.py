@@ -29,7 +29,15 @@ from runpool.context import Run
 from runpool.db import aconnect
 from runpool.queries import QUERIES
 from runpool.status import collect
-from tests.helpers import events, run_row, running_pool, scalar, status_of, wait_for
+from tests.helpers import (
+    events,
+    live_workers,
+    run_row,
+    running_pool,
+    scalar,
+    status_of,
+    wait_for,
+)
 from tests.test_cli import cli
 
 APP = "tests.cost_apps:app"
@@ -310,11 +318,13 @@ def test_release_rate__gives_back_only_the_last_reservation(conn: psycopg.Connec
 
 def test_live_worker__timeout_stops_the_attempt_retries_then_fails_and_deadline_is_not_retried(
         conn: psycopg.Connection, dsn: str) -> None:
-    timed = runpool.enqueue(conn, "t1", "hang", timeout=0.5, max_attempts=2)
-    dated = runpool.enqueue(conn, "t2", "hang", max_attempts=3,
-                            deadline=datetime.now(UTC) + timedelta(seconds=1))
     with running_pool(dsn, APP, lease_seconds=6, retry_backoff_seconds=0.1,
                       cancel_grace_seconds=2):
+        # Enqueued once the worker is up: a slow start must not spend the deadline.
+        wait_for(lambda: live_workers(conn), what="the worker to start")
+        timed = runpool.enqueue(conn, "t1", "hang", timeout=0.5, max_attempts=2)
+        dated = runpool.enqueue(conn, "t2", "hang", max_attempts=3,
+                                deadline=datetime.now(UTC) + timedelta(seconds=2))
         wait_for(lambda: status_of(conn, timed) == "failed" and status_of(conn, dated)
                  == "failed", timeout=20, what="both runs to fail")
     assert _error(conn, timed)["reason"] == "timeout"
@@ -432,9 +442,12 @@ def test_cancelled_run_waiting_for_a_rate_limit__stops_waiting(
 
 def test_worker_killed_mid_run_with_a_deadline__the_restarted_worker_ends_it(
         conn: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(conn, "t", "hang", max_attempts=5,
-                             deadline=datetime.now(UTC) + timedelta(seconds=2))
     with running_pool(dsn, APP, lease_seconds=2):
+        wait_for(lambda: live_workers(conn), what="the worker to start")
+        # Its lease (2 s from the claim) outlasts the deadline (1.5 s from now): the reap
+        # that follows the kill finds the deadline passed.
+        run_id = runpool.enqueue(conn, "t", "hang", max_attempts=5,
+                                 deadline=datetime.now(UTC) + timedelta(seconds=1.5))
         wait_for(lambda: status_of(conn, run_id) == "running", what="the run to start")
         pid = scalar(conn, "SELECT w.pid FROM runpool.runs r JOIN runpool.workers w"
                            " ON w.id = r.worker_id WHERE r.id = %s", run_id)
