@@ -253,11 +253,13 @@ $$;
 
 -- Admit `units` of a rate-limited key: reserves them at once (FIFO: each reservation starts
 -- no earlier than the one before) and returns the seconds the caller must wait before using
--- them (0: admitted now), and the key's tat after this reservation (release_rate's token). No
--- lock is held while the caller waits. Units above what the key admits in a minute plus its
--- burst could never be admitted without starving the key for everyone else: refused.
+-- them (0: admitted now), when that is by the database's clock, and the key's tat after this
+-- reservation (release_rate's token). No lock is held while the caller waits. Units above
+-- what the key admits in a minute plus its burst could never be admitted without starving the
+-- key for everyone else: refused.
 CREATE FUNCTION runpool.acquire_rate(key text, units double precision DEFAULT 1,
-                                     OUT wait double precision, OUT reserved_until timestamptz)
+                                     OUT wait double precision, OUT starts_at timestamptz,
+                                     OUT reserved_until timestamptz)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
 #variable_conflict use_column
@@ -281,6 +283,7 @@ BEGIN
               l.tat
     INTO wait, reserved_until;
     IF FOUND THEN
+        starts_at := at + wait * interval '1 second';
         RETURN;
     END IF;
     SELECT l.per_minute, l.burst INTO limit_per_minute, limit_burst

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -291,6 +292,27 @@ def test_acquire_rate__reserves_in_arrival_order_paced_after_the_burst(
     assert waits[:3] == [0, 0, 0]
     assert all(b > a for a, b in itertools.pairwise(waits[2:]))
     assert waits[-1] == pytest.approx(0.5, abs=0.05)
+
+
+def test_acquire_rate__reservations_from_many_sessions_stay_within_limit_plus_burst(
+        dsn: str, conn: psycopg.Connection) -> None:
+    """4 sessions reserving at once, by the database's clock: in any window of 2 s at most
+    20 (600/min) + burst 5 start, and each session's reservations start in its own order."""
+    conn.execute("SELECT runpool.set_rate_limit('k', 600, 5)")
+
+    def reserve() -> list[float]:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            return [float(scalar(c, "SELECT extract(epoch FROM starts_at)"
+                                    " FROM runpool.acquire_rate('k')")) for _ in range(30)]
+
+    with ThreadPoolExecutor(4) as pool:
+        sessions = list(pool.map(lambda _: reserve(), range(4)))
+    for starts in sessions:
+        assert starts == sorted(starts)
+    starts = sorted(s for session in sessions for s in session)
+    assert max(sum(1 for b in starts if a <= b < a + 2.0) for a in starts) <= 20 + 5
+    # Paced at the limit once the burst is spent: 120 reservations span (120 - 6) / 10 s.
+    assert starts[-1] - starts[0] == pytest.approx(11.4, abs=0.05)
 
 
 def test_release_rate__gives_back_only_the_last_reservation(conn: psycopg.Connection) -> None:
