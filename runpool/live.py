@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
@@ -22,7 +24,9 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
+from .db import sever
 from .errors import InvalidInput, NotFound, UsageError
+from .limits import NAME_MAX_LENGTH
 
 __all__ = ["TERMINAL", "RunEvent", "RunResult", "channel", "follow", "wait", "wait_async"]
 
@@ -32,6 +36,13 @@ TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
 PAGE: Final = 500
 # The largest `after` accepted (a seq is a bigint).
 MAX_SEQ: Final = 2**62
+# A read the server leaves unanswered this long (a silent network: a dead NAT entry, a
+# partition; no error, no answer, and TCP gives up only after many minutes) is cut: the
+# connection fails as if the network had broken it, so a follower or a waiter without a
+# timeout reconnects instead of hanging. Each read is one small statement.
+READ_SECONDS: float = 30.0
+# How long past its timeout a wait whose read is still unanswered is cut (TimeoutError).
+GRACE_SECONDS: Final = 1.0
 
 # The run's status, result and error (no row: no such run, or another tenant's).
 RESULT: Final = """
@@ -137,8 +148,10 @@ def _seconds(value: Any, what: str, *, allow_none: bool, low: float) -> float | 
 
 
 def _tenant(value: Any) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise InvalidInput("tenant must be a string or None")
+    if value is not None and (not isinstance(value, str)
+                              or not 1 <= len(value) <= NAME_MAX_LENGTH or "\x00" in value):
+        raise InvalidInput(f"tenant must be None or 1 to {NAME_MAX_LENGTH} characters without"
+                           f" NUL, not {value!r:.80}")
     return value
 
 
@@ -177,8 +190,9 @@ async def wait_async(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | st
                      timeout: float | None = None, poll: float = 1.0,  # noqa: ASYNC109
                      *, tenant: str | None = None, listen: bool = True) -> RunResult:
     """Wait until the run is terminal and return its RunResult; TimeoutError after `timeout`
-    seconds; NotFound for no such run (or, with `tenant`, another tenant's run). The connection
-    is used for nothing else meanwhile; it is left outside any transaction, as it was.
+    seconds (also when the server stops answering: the connection is then cut); NotFound for
+    no such run (or, with `tenant`, another tenant's run). The connection is used for nothing
+    else meanwhile; it is left outside any transaction, as it was.
     listen=False polls only (a transaction-mode pooler, where LISTEN cannot work)."""
     rid, after_s = _run_id(run_id), _seconds(timeout, "timeout", allow_none=True, low=0)
     poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
@@ -186,15 +200,18 @@ async def wait_async(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | st
     tenant = _tenant(tenant)
     _idle(aconn)
     deadline = _deadline(after_s)
-    if listen:
-        await _aexec(aconn, _listen(rid, True))
     try:
+        if listen:
+            await _aexec(aconn, _read_bound(deadline), _listen(rid, True))
         while True:
-            cur = await _aexec(aconn, RESULT, {"run_id": rid, "tenant": tenant})
+            cur = await _aexec(aconn, _read_bound(deadline), RESULT,
+                               {"run_id": rid, "tenant": tenant})
             done = _result(rid, await cur.fetchone())
             if done is not None:
                 return done
             await _anap(aconn, _nap(rid, deadline, poll_s, after_s), listen)
+    except psycopg.OperationalError as exc:
+        raise _timed_out(rid, deadline, after_s, exc) from exc
     finally:
         if listen:
             await _aunlisten(aconn, rid)
@@ -209,11 +226,12 @@ def wait(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, timeout: float 
     tenant = _tenant(tenant)
     _idle(conn)
     deadline = _deadline(after_s)
-    if listen:
-        _exec(conn, _listen(rid, True))
     try:
+        if listen:
+            _exec(conn, _read_bound(deadline), _listen(rid, True))
         while True:
-            done = _result(rid, _exec(conn, RESULT, {"run_id": rid, "tenant": tenant}).fetchone())
+            done = _result(rid, _exec(conn, _read_bound(deadline), RESULT,
+                                      {"run_id": rid, "tenant": tenant}).fetchone())
             if done is not None:
                 return done
             nap = _nap(rid, deadline, poll_s, after_s)
@@ -222,13 +240,30 @@ def wait(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, timeout: float 
                     pass
             else:
                 time.sleep(nap)
+    except psycopg.OperationalError as exc:
+        raise _timed_out(rid, deadline, after_s, exc) from exc
     finally:
         try:
             if (listen and not conn.closed
                     and conn.info.transaction_status == TransactionStatus.IDLE):
-                _exec(conn, _listen(rid, False))
+                _exec(conn, READ_SECONDS, _listen(rid, False))
         except psycopg.Error:
             pass  # a broken connection listens to nothing any more
+
+
+def _read_bound(deadline: float) -> float:
+    """How long a wait's read may go unanswered: READ_SECONDS, and no later than its
+    deadline's grace."""
+    return min(READ_SECONDS, max(deadline - time.monotonic(), 0) + GRACE_SECONDS)
+
+
+def _timed_out(run_id: uuid.UUID, deadline: float, timeout: float | None,
+               exc: psycopg.OperationalError) -> Exception:
+    """A broken connection past the wait's deadline: its read was cut for the timeout."""
+    if timeout is not None and time.monotonic() >= deadline:
+        return TimeoutError(f"run {run_id} did not finish within {timeout:g} s (the server"
+                            f" did not answer: the connection was cut)")
+    return exc
 
 
 async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, after: int = 0,
@@ -239,20 +274,22 @@ async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, a
     come exactly once each, in commit order, whatever crashes and reclaims happen meanwhile:
     resume a cut stream with after=<the last seq seen>. Progress events come as they are
     published, best effort (a follower that reads slower sees only the latest). NotFound for
-    no such run (or, with `tenant`, another tenant's). Use `contextlib.aclosing` to stop early
-    and have the connection UNLISTEN at once. listen=False polls only."""
+    no such run (or, with `tenant`, another tenant's). A broken connection, or one whose
+    server leaves a read unanswered for READ_SECONDS (it is then cut), raises the driver's
+    psycopg.OperationalError. Use `contextlib.aclosing` to stop early and have the connection
+    UNLISTEN at once. listen=False polls only."""
     rid, last = _run_id(run_id), _after(after)
     poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
     assert poll_s is not None
     tenant = _tenant(tenant)
     _idle(aconn)
-    if listen:
-        await _aexec(aconn, _listen(rid, True))
     try:
+        if listen:
+            await _aexec(aconn, READ_SECONDS, _listen(rid, True))
         progress: int | None = None
         while True:
-            cur = await _aexec(aconn, EVENTS, {"run_id": rid, "tenant": tenant, "after": last,
-                                               "page": PAGE})
+            cur = await _aexec(aconn, READ_SECONDS, EVENTS,
+                               {"run_id": rid, "tenant": tenant, "after": last, "page": PAGE})
             page = _Page(await cur.fetchall())
             if page.status is None:
                 raise NotFound(f"no run {rid}")
@@ -299,22 +336,40 @@ class _Page:
         self.events = events
 
 
-async def _aexec(aconn: psycopg.AsyncConnection[Any], query: Any,
+async def _aexec(aconn: psycopg.AsyncConnection[Any], bound: float, query: Any,
                  params: dict[str, Any] | None = None) -> psycopg.AsyncCursor[Any]:
     """One statement, committed at once when the connection is not in autocommit: nothing is
-    held open between reads."""
-    cur = await aconn.cursor(row_factory=tuple_row).execute(query, params)
-    if not aconn.autocommit:
-        await aconn.commit()
+    held open between reads. Unanswered after `bound` seconds, the connection is cut."""
+    timer = asyncio.get_running_loop().call_later(bound, sever, aconn)
+    try:
+        cur = await aconn.cursor(row_factory=tuple_row).execute(query, params)
+        if not aconn.autocommit:
+            await aconn.commit()
+    finally:
+        timer.cancel()
     return cur
 
 
-def _exec(conn: psycopg.Connection[Any], query: Any,
+def _exec(conn: psycopg.Connection[Any], bound: float, query: Any,
           params: dict[str, Any] | None = None) -> psycopg.Cursor[Any]:
-    cur = conn.cursor(row_factory=tuple_row).execute(query, params)
-    if not conn.autocommit:
-        conn.commit()
+    with _cut_after(conn, bound):
+        cur = conn.cursor(row_factory=tuple_row).execute(query, params)
+        if not conn.autocommit:
+            conn.commit()
     return cur
+
+
+@contextmanager
+def _cut_after(conn: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
+    """Cut the connection if the block still runs after `seconds` (the blocking twin of
+    _aexec's timer: a blocked read can only be woken from another thread)."""
+    timer = threading.Timer(seconds, sever, (conn,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 async def _anap(aconn: psycopg.AsyncConnection[Any], seconds: float, listen: bool) -> None:
@@ -330,6 +385,6 @@ async def _anap(aconn: psycopg.AsyncConnection[Any], seconds: float, listen: boo
 async def _aunlisten(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> None:
     try:
         if not aconn.closed and aconn.info.transaction_status == TransactionStatus.IDLE:
-            await _aexec(aconn, _listen(run_id, False))
+            await _aexec(aconn, READ_SECONDS, _listen(run_id, False))
     except psycopg.Error:
         pass  # a broken connection listens to nothing any more

@@ -1,0 +1,129 @@
+"""Attacks on live runs (wait, follow, progress) and on the migration that brought them: a silent
+network, hostile inputs, an operator upgrading a database with history."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+import runpool
+from runpool import live
+from runpool.db import aconnect, connect
+from runpool.enqueue import enqueue
+from runpool.testing import Proxy
+
+
+def _running(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
+    """The run as a worker holds it (no pool needed: nothing here must finish it)."""
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                 " lease_expires_at = now() + interval '10 minutes' WHERE id = %s", (run_id,))
+
+
+def _in_thread(fn: Any, bound: float) -> BaseException | None:
+    """What fn() raised, or None; fails if it is still blocked after `bound` seconds (a hang)."""
+    outcome: list[BaseException | None] = []
+
+    def go() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as exc:  # what it raised is the test's subject
+            outcome.append(exc)
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(bound)
+    assert not thread.is_alive(), f"still blocked after {bound} s: it hangs"
+    return outcome[0]
+
+
+def test_wait_and_follow__a_silent_network_fails_them_instead_of_hanging(
+        dsn: str, server_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A black-holed path (a dead NAT entry, a partition: no error, no answer) must not hang a
+    waiter past its timeout, nor a follower forever: the unanswered read is cut."""
+    monkeypatch.setattr(live, "READ_SECONDS", 1.5)
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "noop")
+        _running(conn, run_id)
+    proxy = Proxy(server_dsn)
+    try:
+        # wait(timeout=1): TimeoutError, within its timeout and the grace of a cut read.
+        waiter = psycopg.connect(proxy.dsn(dsn), autocommit=True)
+        threading.Timer(0.3, proxy.blackholed.set).start()
+        started = time.monotonic()
+        raised = _in_thread(lambda: live.wait(waiter, run_id, timeout=1, poll=0.2), 10)
+        assert isinstance(raised, TimeoutError), repr(raised)
+        assert time.monotonic() - started < 1 + live.GRACE_SECONDS + 2
+        waiter.close()
+        proxy.blackholed.clear()
+
+        async def wait_async() -> None:
+            aconn = await psycopg.AsyncConnection.connect(proxy.dsn(dsn), autocommit=True)
+            asyncio.get_running_loop().call_later(0.3, proxy.blackholed.set)
+            try:
+                await live.wait_async(aconn, run_id, timeout=1, poll=0.2)
+            finally:
+                await aconn.close()
+
+        raised = _in_thread(lambda: asyncio.run(wait_async()), 10)
+        assert isinstance(raised, TimeoutError), repr(raised)
+        proxy.blackholed.clear()
+
+        # No timeout at all (wait forever, follow): a read unanswered for READ_SECONDS fails
+        # the connection like a cut, so the caller reconnects and resumes.
+        async def follow() -> None:
+            aconn = await psycopg.AsyncConnection.connect(proxy.dsn(dsn), autocommit=True)
+            try:
+                async for event in live.follow(aconn, run_id, poll=0.2):
+                    if event.seq == 2:
+                        proxy.blackholed.set()
+            finally:
+                await aconn.close()
+
+        raised = _in_thread(lambda: asyncio.run(follow()), 10)
+        assert isinstance(raised, psycopg.OperationalError), repr(raised)
+        proxy.blackholed.clear()
+
+        waiter = psycopg.connect(proxy.dsn(dsn), autocommit=True)
+        threading.Timer(0.3, proxy.blackholed.set).start()
+        raised = _in_thread(lambda: live.wait(waiter, run_id, poll=0.2), 10)
+        assert isinstance(raised, psycopg.OperationalError), repr(raised)
+        waiter.close()
+    finally:
+        proxy.close()
+    # A healthy connection is never cut: a wait longer than READ_SECONDS just waits.
+    with connect(dsn, autocommit=True) as conn:
+        threading.Timer(2.0, lambda: _finish(dsn, run_id)).start()
+        assert live.wait(conn, run_id, timeout=10, poll=0.5).status == "succeeded"
+
+
+def _finish(dsn: str, run_id: uuid.UUID) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE runpool.runs SET status = 'succeeded', result = '1',"
+                     " finished_at = now(), lease_expires_at = NULL WHERE id = %s", (run_id,))
+
+
+def test_wait_and_follow__a_bad_tenant_is_invalid_input(dsn: str) -> None:
+    bad = ["a\x00b", "x" * 201, ""]
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "noop")
+        for tenant in bad:
+            with pytest.raises(runpool.InvalidInput, match="tenant"):
+                live.wait(conn, run_id, timeout=1, tenant=tenant)
+
+        async def follow() -> None:
+            async with await aconnect(dsn, autocommit=True) as aconn:
+                for tenant in bad:
+                    with pytest.raises(runpool.InvalidInput, match="tenant"):
+                        await live.wait_async(aconn, run_id, timeout=1, tenant=tenant)
+                    with pytest.raises(runpool.InvalidInput, match="tenant"):
+                        async for _ in live.follow(aconn, run_id, tenant=tenant):
+                            pass
+
+        asyncio.run(follow())
