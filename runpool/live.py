@@ -49,13 +49,17 @@ RESULT: Final = """
 SELECT status, result, error FROM runpool.runs
 WHERE id = %(run_id)s AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
 """
-# A follower's read: the run's header (kind 'run': its status and last seq; no row: no such run,
-# or another tenant's), its stored events after seq %(after)s (the 'queued' of seq 1 is the
-# run's creation, not a row), and its current progress (kind 'progress', seq = its version).
+# A follower's read: the run's header (kind 'run': its status and last seq, from its checkpoint
+# counter once it has one (see 0009); no row: no such run, or another tenant's), its stored
+# events after seq %(after)s (the 'queued' of seq 1 is the run's creation, not a row), and its
+# current progress (kind 'progress', seq = its version).
 # One statement, one snapshot: the header's last seq covers exactly the events returned.
 EVENTS: Final = """
 WITH run AS (
-    SELECT r.id, r.status, r.attempt, r.event_seq, r.created_at FROM runpool.runs r
+    SELECT r.id, r.status, r.attempt, r.created_at,
+           coalesce((SELECT s.seq FROM runpool.event_seqs s WHERE s.run_id = r.id), r.event_seq)
+               AS event_seq
+    FROM runpool.runs r
     WHERE r.id = %(run_id)s AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s)
 )
 SELECT 'run' AS kind, run.event_seq AS seq, to_jsonb(run.status) AS data, run.created_at AS at

@@ -409,7 +409,7 @@ def test_follow__a_long_history_comes_in_pages_in_order_nothing_missed(dsn: str)
                                  " AND call_id = %s", (run_id, f"c{i - 5}"))
         conn.execute("UPDATE runpool.runs SET status = 'succeeded', finished_at = now(),"
                      " lease_expires_at = NULL WHERE id = %s", (run_id,))
-        last = conn.execute("SELECT event_seq FROM runpool.runs WHERE id = %s",
+        last = conn.execute("SELECT seq FROM runpool.event_seqs WHERE run_id = %s",
                             (run_id,)).fetchone()
         assert last is not None
     got = asyncio.run(_collect(dsn, run_id))
