@@ -120,7 +120,11 @@ LIMIT %(limit)s;
 -- name: run
 -- One run, as a JSON object of its columns (those a later migration adds, such as usage,
 -- included), or nothing when it belongs to another tenant than %(tenant)s (NULL: any).
-SELECT to_jsonb(r) - 'rank' - 'serial_order' - 'attempt_offset' AS run,
+-- event_seq is its last event's seq: the checkpoints' counter once it has one (0009).
+SELECT (to_jsonb(r) - 'rank' - 'serial_order' - 'attempt_offset')
+       || jsonb_build_object('event_seq', coalesce(
+              (SELECT s.seq FROM runpool.event_seqs s WHERE s.run_id = r.id), r.event_seq))
+           AS run,
        r.max_attempts - runpool.attempts_used(r.attempt, r.attempt_offset) AS attempts_left
 FROM runpool.runs r
 WHERE r.id = %(id)s AND (r.tenant = %(tenant)s::text OR %(tenant)s::text IS NULL);
@@ -141,7 +145,7 @@ LIMIT %(limit)s;
 
 -- name: snapshot
 -- The run page reads in one snapshot: the events it shows and the seq its live stream
--- starts after (runs.event_seq, 0008) agree.
+-- starts after (the run's last event seq, 0009) agree.
 SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY;
 
 -- name: run_events
