@@ -65,10 +65,28 @@ SELECT id, 2, coalesce(finished_at, started_at, created_at), status, attempt
 FROM runpool.runs WHERE status <> 'queued' OR attempt > 0;
 UPDATE runpool.runs SET event_seq = 1 WHERE status = 'queued' AND attempt = 0;
 
+-- Ring a run's doorbell: a channel of the run's own (runpool_run_<id as 32 hex digits>, empty
+-- payload), so a follower hears only its run, not every run's traffic. Not while the server's
+-- notification queue is over half full (runpool.notify_queue_limit, a fraction, in a session
+-- that wants another bound): a session that LISTENs and does not read on (idle in a
+-- transaction, or not reading its socket) holds the queue back, and once it is full every
+-- NOTIFY fails its transaction; no checkpoint write or outcome may fail for a reader's sake
+-- (any login that may connect can LISTEN). Followers then see new events at their next poll.
+-- Measured: 44 bytes of queue per notification held; 8 GB is ~190 million of them.
+CREATE FUNCTION runpool._ring(run_id uuid) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+BEGIN
+    IF pg_notification_queue_usage()
+       < coalesce(nullif(current_setting('runpool.notify_queue_limit', true), '')::float8, 0.5)
+    THEN
+        PERFORM pg_notify('runpool_run_' || replace(_ring.run_id::text, '-', ''), '');
+    END IF;
+END
+$$;
+
 -- Take the next event seq of a run for a checkpoint write (its counter row locked until
--- commit) and ring its doorbell: a channel of the run's own (runpool_run_<id as 32 hex
--- digits>, empty payload), so a follower hears only its run, not every run's traffic. The run
--- row is share-locked, as the write's fence does anyway: no status change (which locks it
+-- commit) and ring its doorbell. The run row is share-locked, as the write's fence does anyway: no status change (which locks it
 -- exclusively) comes in between, so the first write starts from the run's last seq.
 CREATE FUNCTION runpool._next_event_seq(run_id uuid) RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
@@ -84,7 +102,7 @@ BEGIN
     VALUES (_next_event_seq.run_id, coalesce(base, 1) + 1)
     ON CONFLICT ON CONSTRAINT event_seqs_pkey DO UPDATE SET seq = s.seq + 1
     RETURNING s.seq INTO seq;
-    PERFORM pg_notify('runpool_run_' || replace(_next_event_seq.run_id::text, '-', ''), '');
+    PERFORM runpool._ring(_next_event_seq.run_id);
     RETURN seq;
 END
 $$;
@@ -114,7 +132,7 @@ BEGIN
         WHEN NEW.status = 'queued' THEN 'retried'
     END);
     IF NEW.status IN ('succeeded', 'failed', 'cancelled') THEN
-        PERFORM pg_notify('runpool_run_' || replace(NEW.id::text, '-', ''), '');
+        PERFORM runpool._ring(NEW.id);
     END IF;
     RETURN NEW;
 END
@@ -197,13 +215,13 @@ BEGIN
                 at = now()
         RETURNING p.run_id
     )
-    SELECT count(pg_notify('runpool_run_' || replace(up.run_id::text, '-', ''), ''))
-    INTO published FROM up;
+    SELECT count(runpool._ring(up.run_id)) INTO published FROM up;
     RETURN published;
 END
 $$;
 
 REVOKE ALL ON FUNCTION
+    runpool._ring(uuid),
     runpool._next_event_seq(uuid),
     runpool._run_status_changed(),
     runpool._message_event(),

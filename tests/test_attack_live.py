@@ -248,3 +248,39 @@ def test_web_run_row__reports_the_last_event_seq_of_a_run_that_wrote_checkpoints
     last = max(seq for seq, _ in asyncio.run(_kinds(dsn, run_id)))
     assert last == 5
     assert row[0]["event_seq"] == last
+
+
+def test_doorbell__goes_quiet_past_the_notification_queue_bound_and_writes_still_commit(
+        dsn: str) -> None:
+    """A session that LISTENs and never reads on (idle in a transaction: any login may do it)
+    holds the server's notification queue back; once it is full every NOTIFY fails its
+    transaction, and each checkpoint write rings a doorbell. Past the bound (half the queue
+    by default; runpool.notify_queue_limit, set here to the queue's usage right now, so the
+    bound is crossed without writing gigabytes) the doorbell stays silent and the write
+    commits; followers poll. Under the bound it rings as before."""
+    with connect(dsn, autocommit=True) as conn, connect(dsn, autocommit=True) as listener:
+        run_id = enqueue(conn, "acme", "noop")
+        _running(conn, run_id)
+        listener.execute(f"LISTEN {live.channel(run_id)}")
+        stuck = connect(dsn)  # listening somewhere, idle in a transaction: holds the queue
+        stuck.execute("LISTEN runpool_attack_stuck")
+        stuck.commit()
+        stuck.execute("SELECT 1")
+        try:
+            with connect(dsn, autocommit=True) as worker:
+                worker.execute("NOTIFY runpool_attack_stuck")  # the queue is in use now
+                worker.execute("SELECT set_config('runpool.notify_queue_limit',"
+                               " pg_notification_queue_usage()::text, false)")
+                for i in (1, 2):
+                    worker.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1,
+                                                    "role": "assistant", "content": str(i)})
+                assert list(listener.notifies(timeout=0.5)) == []  # silent, yet committed
+                worker.execute("RESET runpool.notify_queue_limit")
+                worker.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1,
+                                                "role": "assistant", "content": "3"})
+                got = list(listener.notifies(timeout=5, stop_after=1))
+                assert [n.channel for n in got] == [live.channel(run_id)]
+        finally:
+            stuck.close()
+        assert conn.execute("SELECT count(*) FROM runpool.messages WHERE run_id = %s",
+                            (run_id,)).fetchone() == (3,)
