@@ -348,6 +348,9 @@ class Run:
             raise UsageError("this Run is not attached to a pool: nothing would hear its progress")
         if not self._control.lost:  # a zombie's progress would be dropped by the database anyway
             self._progress(self.id, self.attempt, encoded)
+        # A yield, not a wait: a handler reporting in a loop that awaits nothing else would
+        # otherwise hold the worker's event loop (its other runs, heartbeat, cancel notices).
+        await asyncio.sleep(0)
 
     def model_call(self, model: str, provider: str | None = None
                    ) -> AbstractContextManager[Any]:

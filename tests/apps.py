@@ -262,3 +262,13 @@ def chatty_sync(run: runpool.Run) -> Any:
             break
         time.sleep(0.01)
     return "done"
+
+
+@app.handler("progress_spin")
+async def progress_spin(run: runpool.Run) -> Any:
+    """Reports progress in a loop until cancelled, awaiting nothing else."""
+    i = 0
+    while not run.cancelled:
+        await run.progress({"i": i})
+        i += 1
+    return {"emitted": i}

@@ -19,6 +19,8 @@ from runpool.db import aconnect, connect
 from runpool.enqueue import enqueue
 from runpool.testing import Proxy, wait_for
 
+from .helpers import running_pool, status_of
+
 
 def _running(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
     """The run as a worker holds it (no pool needed: nothing here must finish it)."""
@@ -284,3 +286,19 @@ def test_doorbell__goes_quiet_past_the_notification_queue_bound_and_writes_still
             stuck.close()
         assert conn.execute("SELECT count(*) FROM runpool.messages WHERE run_id = %s",
                             (run_id,)).fetchone() == (3,)
+
+
+def test_progress__a_run_reporting_in_a_loop_lets_its_worker_serve_others_and_cancel_it(
+        dsn: str) -> None:
+    """`await run.progress(...)` in a loop that awaits nothing else (a handler streaming tokens
+    from a list, reporting while it polls a flag): the worker's other runs (another tenant's),
+    its heartbeat and its cancel notices share that event loop; progress must let them in."""
+    with connect(dsn, autocommit=True) as conn, running_pool(dsn, concurrency=4):
+        spinner = enqueue(conn, "acme", "progress_spin")
+        wait_for(lambda: status_of(conn, spinner) == "running", timeout=15,
+                 what="the spinning run")
+        other = enqueue(conn, "globex", "noop")
+        assert runpool.wait(conn, other, timeout=15).status == "succeeded"
+        assert conn.execute("SELECT runpool.cancel_run(%s, 'enough')",
+                            (spinner,)).fetchone() == ("cancelling",)
+        assert runpool.wait(conn, spinner, timeout=15).status == "cancelled"
