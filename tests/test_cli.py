@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -250,6 +251,11 @@ def test_demo__completes_with_no_run_left_waiting(conn: psycopg.Connection, dsn:
         raise AssertionError("the demo did not finish within 90 s") from None
     assert demo.returncode == 0, stderr
     assert "no live pool serves handler translate" in stdout, stdout
+    # The run whose worker was killed resumes; the cancelled run is another one.
+    killed = re.search(r"while it runs agent run ([0-9a-f-]{36})", stdout)
+    cancelled = re.search(r"runpool\.cancel_run\('([0-9a-f-]{36})', 'user pressed stop'\)",
+                          stdout)
+    assert killed and cancelled and killed[1] != cancelled[1], stdout
     rows: dict[str, int] = dict(conn.execute(
         "SELECT status, count(*) FROM runpool.runs GROUP BY status").fetchall())
     assert rows.get("queued", 0) + rows.get("running", 0) == 0, rows

@@ -117,7 +117,7 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
                 if killed is None:
                     killed = _kill_a_worker(conn, ids)
                 elif cancelled is None:
-                    cancelled = _cancel_a_run(conn, ids)
+                    cancelled = _cancel_a_run(conn, ids, killed[0])
                 if totals["queued"] + totals["running"] == 0:
                     break
                 if not unserved:
@@ -176,10 +176,13 @@ def _kill_a_worker(conn: psycopg.Connection[Any], ids: list[uuid.UUID]
     return run_id, pid
 
 
-def _cancel_a_run(conn: psycopg.Connection[Any], ids: list[uuid.UUID]) -> uuid.UUID | None:
-    row = conn.execute("SELECT id FROM runpool.runs WHERE id = ANY(%s) AND status = 'running'"
-                       " AND handler = 'research' ORDER BY started_at DESC LIMIT 1",
-                       (ids,)).fetchone()
+def _cancel_a_run(conn: psycopg.Connection[Any], ids: list[uuid.UUID],
+                  killed: uuid.UUID) -> uuid.UUID | None:
+    """Cancel a running research run, not the one whose worker was killed (its resume is the
+    other half of the story: with few runs it was often the only one running)."""
+    row = conn.execute("SELECT id FROM runpool.runs WHERE id = ANY(%s) AND id <> %s"
+                       " AND status = 'running' AND handler = 'research'"
+                       " ORDER BY started_at DESC LIMIT 1", (ids, killed)).fetchone()
     if row is None:
         return None
     answer = conn.execute("SELECT runpool.cancel_run(%s, 'user pressed stop')",
