@@ -40,7 +40,7 @@ MAX_SEQ: Final = 2**62
 # partition; no error, no answer, and TCP gives up only after many minutes) is cut: the
 # connection fails as if the network had broken it, so a follower or a waiter without a
 # timeout reconnects instead of hanging. Each read is one small statement.
-READ_SECONDS: float = 30.0
+READ_SECONDS: Final = 30.0
 # How long past its timeout a wait whose read is still unanswered is cut (TimeoutError).
 GRACE_SECONDS: Final = 1.0
 
