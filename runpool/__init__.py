@@ -20,12 +20,14 @@ from .errors import (
     ToolOutcomeUnknown,
     UnsafeSchema,
     UsageError,
+    WaitTimeout,
     WorkerFailed,
 )
 from .live import RunEvent, RunResult, follow, wait, wait_async
 from .pool import Pool
 from .resolve import resolve_tool_call
 from .settings import Settings
+from .waits import signal_run
 
 __version__ = "0.1.0"
 
@@ -51,6 +53,7 @@ __all__ = [
     "ToolOutcomeUnknown",
     "UnsafeSchema",
     "UsageError",
+    "WaitTimeout",
     "WorkerFailed",
     "__version__",
     "enqueue",
@@ -58,6 +61,7 @@ __all__ = [
     "enqueue_many",
     "follow",
     "resolve_tool_call",
+    "signal_run",
     "wait",
     "wait_async",
 ]

@@ -108,6 +108,8 @@ async def claim_statements(
         await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
     # Runs whose time has come join the claim's index first (one index probe when none has).
     await conn.execute(QUERIES["promote_due"])
+    # So do waiting runs whose sleep ended or wait timed out (one index probe when none has).
+    await conn.execute(QUERIES["wake_due"])
     if handlers is None:
         cur = await conn.execute(QUERIES["ready_handlers"])
         names = [h for (h,) in await cur.fetchall()]

@@ -33,8 +33,8 @@ __all__ = ["main"]
 # `run` is the pool command's older name, still accepted.
 POOL_COMMANDS = ("worker", "run")
 COMMANDS = (
-    *POOL_COMMANDS, "migrate", "enqueue", "cancel", "retry", "resolve", "explain", "runs",
-    "wait", "status", "schedules", "demo", "bench", "ui",
+    *POOL_COMMANDS, "migrate", "enqueue", "cancel", "retry", "resolve", "signal", "explain",
+    "runs", "wait", "status", "schedules", "demo", "bench", "ui",
 )
 
 # The SQL API, called exactly as an application would.
@@ -143,6 +143,14 @@ def _parser() -> argparse.ArgumentParser:
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--result", help="it was done: this JSON is the call's result")
     how.add_argument("--retry", action="store_true", help="run the tool again")
+    p.add_argument("--tenant")
+
+    p = sub.add_parser("signal", help="send a signal to a run (runpool.signal_run): a run"
+                       " waiting for it continues; else it is kept until the run waits")
+    _add_settings_flags(p, db_only)
+    p.add_argument("run_id")
+    p.add_argument("name")
+    p.add_argument("--payload", default="{}", help="JSON (default {})")
     p.add_argument("--tenant")
 
     p = sub.add_parser("explain", help="why a run is (not) running")
@@ -355,6 +363,16 @@ def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: str) -
             return 1
         print(answer)
         return 0
+    if args.command == "signal":
+        from .waits import signal_run
+
+        try:
+            payload = json.loads(args.payload)
+        except ValueError as exc:
+            raise InvalidInput(f"--payload is not valid JSON: {exc}") from None
+        answer = signal_run(conn, _parse_run_id(args.run_id), args.name, payload,
+                            tenant=args.tenant)
+        return _answer((answer,), args.run_id)
     if args.command == "explain":
         row = conn.execute(EXPLAIN, (_parse_run_id(args.run_id),)).fetchone()
         if row is None or row[0] is None:

@@ -27,6 +27,7 @@ from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
 from .limits import NAME_MAX_LENGTH
 from .progress import encode as encode_progress
 from .tasks import finish_anyway
+from .waits import WaitMethods, Waits
 
 __all__ = ["Run", "ToolFn"]
 
@@ -47,7 +48,7 @@ def _same_call(name: str, arguments: Any, other_name: str, other_arguments: Any)
     return name == other_name and canonical(arguments) == canonical(other_arguments)
 
 
-class Run:
+class Run(WaitMethods):
     """One attempt of a run, as its handler sees it.
 
     The worker owns this attempt: it sets the cancellation and lease-loss flags (from a NOTIFY,
@@ -73,6 +74,8 @@ class Run:
         progress: Callable[[uuid.UUID, int, bytes], None] | None = None,
         budget: Mapping[str, Any] | None = None,
         usage: Mapping[str, Any] | None = None,
+        traceparent: str | None = None,
+        short_sleep: float = 0.0,
     ) -> None:
         self.id = id
         self.tenant = tenant
@@ -98,6 +101,11 @@ class Run:
         # The budget and the run's totals so far (turns counted from the committed history).
         self._meter = costs.Meter(budget, usage,
                                   sum(m.role == TURN_ROLE for m in self._messages))
+        # Durable waits and children (runpool.waits); sleeps under `short_sleep` seconds stay
+        # in the slot.
+        self._waits = Waits(run_id=id, tenant=tenant, attempt=attempt, traceparent=traceparent,
+                            short_sleep=short_sleep, write=self._fenced,
+                            suspend=self._control.suspend, cancelled=lambda: self.cancelled)
 
     # -- state set by the worker -----------------------------------------------------------
 
@@ -399,6 +407,17 @@ class Run:
         if c.cancelled or c.lost or c.closed is not None:
             return f"run {self.id} was stopped: {c.closed or 'cancelled or lease lost'}"
         return None
+
+    # -- durable waits and child runs: the methods are WaitMethods' (runpool.waits) ----------
+
+    async def _fenced(self, what: str, op: Op[T]) -> T:
+        """A wait's or a spawn's write: after the tool calls in flight (their results are
+        committed first), under the write lock."""
+        pool = self._writable()
+        while self._inflight:
+            await asyncio.wait([shared for _, _, shared in self._inflight.values()])
+        async with self._write_lock:
+            return await self._db(pool, what, op)
 
     # -- for plain (threaded) handlers -----------------------------------------------------
 

@@ -8,6 +8,8 @@ lease taken; the Run reads them to fence what the handler does:
 - `lose()`: the lease is (or may be) lost: every later write of this attempt raises LeaseLost;
 - `close(why)`: the *_sync methods refuse all work (drain past its grace, a worker exiting);
 - `renew(until)`: the lease may run out at `until` (monotonic): no tool starts past it;
+- `suspend()`: the Run committed a durable wait: the run is 'waiting' and this attempt is over
+  (set by the Run, read by the worker: nothing of the attempt is recorded after it);
 - `threads`: the attempt's threads, which the worker waits for before it frees the slot.
 """
 
@@ -31,6 +33,7 @@ class RunControl:
         self._cancelled = False
         self._lost = False
         self._closed: str | None = None
+        self._suspended = False
         # Monotonic time after which the lease may have run out (the worker's lease clock).
         self._lease_until = math.inf
 
@@ -41,6 +44,10 @@ class RunControl:
     @property
     def lost(self) -> bool:
         return self._lost
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
 
     @property
     def closed(self) -> str | None:
@@ -56,6 +63,9 @@ class RunControl:
 
     def lose(self) -> None:
         self._lost = True
+
+    def suspend(self) -> None:
+        self._suspended = True
 
     def close(self, why: str) -> None:
         self._closed = why

@@ -22,6 +22,7 @@ __all__ = [
     "ToolOutcomeUnknown",
     "UnsafeSchema",
     "UsageError",
+    "WaitTimeout",
     "WorkerFailed",
 ]
 
@@ -85,6 +86,11 @@ class ToolOutcomeUnknown(RunpoolError):
         self.call_id = call_id
 
 
+class WaitTimeout(RunpoolError, TimeoutError):
+    """A durable wait (Run.wait_for, Run.join) timed out. Uncaught, the run fails (reason
+    wait_timeout) without a retry: a retry would meet the same timed-out wait."""
+
+
 class Fail(RunpoolError):
     """The handler failed the run; it is not retried."""
 
@@ -107,5 +113,5 @@ class BudgetExceeded(RunpoolError):
 
 for _cls in (RunpoolError, InvalidInput, NotFound, LeaseLost, AppNotFound, DatabaseTimeout,
              UsageError, WorkerFailed, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown, Fail,
-             BudgetExceeded):
+             BudgetExceeded, WaitTimeout):
     _cls.__module__ = "runpool"

@@ -11,7 +11,9 @@ claim is durable, no handler started yet), tool.intended (a tool call's intent c
 tool not yet started), tool.returned (the tool's side effect happened, its
 result not yet committed), checkpoint.committed (a tool result and its message just
 committed), outcome.committing (a batch of outcomes about to be written), schedule.enqueued (a
-schedule's plan runs enqueued, its next_fire_at not yet advanced nor committed).
+schedule's plan runs enqueued, its next_fire_at not yet advanced nor committed),
+wait.committing (a durable wait about to be committed), wait.committed (a durable wait
+committed: the run is 'waiting').
 Actions: kill (SIGKILL this worker), stop (SIGSTOP it: a zombie until someone sends SIGCONT),
 sever (shut down the socket of the connection in use, as a network cut would; only at
 claim.locked and outcome.committing, where a statement follows on that connection and fails,
@@ -36,7 +38,8 @@ __all__ = ["POINTS", "armed", "hit"]
 logger = logging.getLogger("runpool.faults")
 
 POINTS = frozenset({"claim.locked", "claim.committed", "tool.intended", "tool.returned",
-                    "checkpoint.committed", "outcome.committing", "schedule.enqueued"})
+                    "checkpoint.committed", "outcome.committing", "schedule.enqueued",
+                    "wait.committing", "wait.committed"})
 _ACTIONS = frozenset({"kill", "stop", "sever"})
 _SEVERABLE = frozenset({"claim.locked", "outcome.committing"})
 

@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from . import faults
 from .claiming import ClaimedRun, read_claimed
 from .db import bounded, dumps, jsonb, loads, transient
-from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown
+from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout
 from .queries import QUERIES
 
 __all__ = ["Outcome", "OutcomeWriter", "Refill", "error_doc", "from_exception", "from_result",
@@ -95,6 +95,9 @@ def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_
     if isinstance(exc, InvalidInput):
         # Bad data from the handler fails the same way on every attempt: no retry storm.
         return failed(run_id, attempt, "invalid_input", str(exc))
+    if isinstance(exc, WaitTimeout):
+        # Its wait stays timed out in every attempt (the wait's answer is kept).
+        return failed(run_id, attempt, "wait_timeout", str(exc))
     if no_retry and isinstance(exc, no_retry):
         return failed(run_id, attempt, "non_retryable", str(exc), type=type(exc).__name__)
     return retry_after(run_id, attempt, attempts_used, backoff, error_doc(

@@ -66,14 +66,23 @@ SELECT extract(epoch FROM (SELECT min(next_fire_at) FROM runpool.schedules
                WHERE enabled AND error IS NULL AND next_fire_at IS NULL);
 
 -- name: expire_deadlines
--- End queued runs past their deadline (failed, deadline_exceeded), without a worker: at the
--- reaper's cadence, a bounded batch, through the index of queued runs with a deadline. A run
--- someone holds right now is left to the next sweep. A run waiting behind its serial key
--- leaves the line (held = false), as a cancel does.
-WITH due AS (
+-- End queued and waiting runs past their deadline (failed, deadline_exceeded), without a
+-- worker: at the reaper's cadence, a bounded batch of each, through the indexes of queued
+-- (0012) and waiting (0013) runs with a deadline. A run someone holds right now is left to
+-- the next sweep. A run waiting behind its serial key leaves the line (held = false), as a
+-- cancel does; a run waiting durably has its wait closed unanswered (state 'cancelled').
+WITH due_queued AS (
     SELECT id
     FROM runpool.runs
     WHERE deadline IS NOT NULL AND status = 'queued' AND deadline <= now()
+    ORDER BY deadline
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+),
+due_waiting AS (
+    SELECT id
+    FROM runpool.runs
+    WHERE deadline IS NOT NULL AND status = 'waiting' AND deadline <= now()
     ORDER BY deadline
     LIMIT 1000
     FOR UPDATE SKIP LOCKED
@@ -86,9 +95,12 @@ ended AS (
         finished_at = now(),
         held = false,
         deferred = false
-    FROM due
-    WHERE r.id = due.id
+    WHERE r.id IN (SELECT id FROM due_queued UNION ALL SELECT id FROM due_waiting)
     RETURNING r.id, r.attempt
+),
+unanswered AS (
+    UPDATE runpool.waits w SET state = 'cancelled', resolved_at = now()
+    WHERE w.run_id IN (SELECT id FROM due_waiting) AND w.state = 'pending'
 )
 INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
 SELECT id, 'failed', attempt, '{"reason": "deadline_exceeded"}'::jsonb FROM ended;
@@ -107,6 +119,16 @@ WHERE r.id = ANY(ARRAY(SELECT d.id FROM runpool.runs d
                        ORDER BY d.available_at
                        LIMIT 1000
                        FOR NO KEY UPDATE SKIP LOCKED));
+
+-- name: wake_due
+-- Queue again the waiting runs whose sleep ended or whose wait timed out, and parents whose
+-- children ended while their row was busy (0013). The function is called only when one
+-- exists: a probe of the index waits_due (10,000 runs waiting cost it one entry read) and one
+-- of an (almost always empty) join_checks table.
+SELECT runpool._wake_due()
+WHERE EXISTS (SELECT 1 FROM runpool.waits w
+              WHERE w.state = 'pending' AND w.until IS NOT NULL AND w.until <= now())
+   OR EXISTS (SELECT 1 FROM runpool.join_checks);
 
 -- name: ready_handlers
 -- The handlers with runs ready to claim, for a claimer that serves every handler (tests,

@@ -19,12 +19,13 @@ from .claiming import ClaimedRun
 from .context import Run
 from .control import RunControl
 from .db import again, bounded
-from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown
+from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown, WaitTimeout
 from .outcomes import Outcome, OutcomeWriter
 from .progress import Publisher
 from .settings import Settings
 from .slot import Slot, Slots, StopReason
 from .tasks import Background
+from .waits import Suspended
 
 __all__ = ["SlotRunner"]
 
@@ -97,9 +98,10 @@ class SlotRunner:
             # lease and its status (never released, never recorded ended).
             await self._threads_finished(slot)
             if span is not None:
-                stop = slot.stop_reason
-                telemetry.finish(span, *(((stop.value if stop else "abandoned"), None)
-                                         if outcome is None else (outcome.kind, outcome.reason)))
+                stop = ("waiting" if slot.control.suspended else slot.stop_reason.value
+                        if slot.stop_reason else "abandoned")
+                telemetry.finish(span, *((stop, None) if outcome is None
+                                         else (outcome.kind, outcome.reason)))
             if outcome is not None:
                 slot.finish()
                 status = await self._outcomes.submit(
@@ -149,12 +151,17 @@ class SlotRunner:
                       write_timeout=s.lease_seconds / 2, messages=messages, tool_calls=calls,
                       control=slot.control,
                       progress=self._progress.offer if self._progress is not None else None,
-                      budget=costs.decode(c.budget), usage=costs.decode(c.usage))
+                      budget=costs.decode(c.budget), usage=costs.decode(c.usage),
+                      traceparent=c.traceparent, short_sleep=s.lease_seconds / 3)
             if handler.is_async:
                 result = await handler.fn(run)
             else:
                 result = await slot.control.threads.call(handler.fn, run)
+        except Suspended:
+            return self._suspended(slot)
         except asyncio.CancelledError:
+            if slot.control.suspended:
+                return self._suspended(slot)
             if slot.stop_reason in ENDING:
                 return self._stopped_outcome(slot)
             # lease_lost: another attempt may own the run now; shutdown: released by the drain.
@@ -162,22 +169,36 @@ class SlotRunner:
                 raise
             return None
         except LeaseLost:
+            if slot.control.suspended:
+                return self._suspended(slot)
             # The run is someone else's now; nothing of this attempt may be written.
             self.abandon(slot, "a checkpoint write found the lease taken", cancel=False)
             return None
         except Exception as exc:
+            if slot.control.suspended:
+                return self._suspended(slot)
             if slot.stop_reason in ENDING:
                 # E.g. a plain handler's tool_sync refusing to start a call after the cancel.
                 return self._stopped_outcome(slot)
-            if not isinstance(exc, Fail | InvalidInput | ToolOutcomeUnknown):
+            if not isinstance(exc, Fail | InvalidInput | ToolOutcomeUnknown | WaitTimeout):
                 logger.warning("run %s raised %s", c.id, type(exc).__name__,
                                extra={"action": "run_raised", **slot.extra})
             return outcomes.from_exception(
                 c.id, c.attempt, exc, attempts_used=c.attempts_used,
                 backoff=s.retry_backoff_seconds, no_retry=handler.no_retry)
+        if slot.control.suspended:
+            return self._suspended(slot)
         if slot.control.cancelled:
             return self._stopped_outcome(slot)
         return outcomes.from_result(c.id, c.attempt, result, max_bytes=s.max_result_bytes)
+
+    def _suspended(self, slot: Slot) -> Outcome | None:
+        """The handler committed a durable wait: the run is 'waiting' in the database (or,
+        its cancel requested, 'cancelled'), and whatever the handler did after it (caught
+        Suspended, returned) is not recorded."""
+        logger.debug("run %s attempt %d waits", slot.claimed.id, slot.claimed.attempt,
+                     extra={"action": "run_waiting", **slot.extra})
+        return None
 
     async def _resume(self, slot: Slot) -> tuple[list[checkpoints.Message],
                                                  dict[str, checkpoints.ToolCall]]:

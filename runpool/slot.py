@@ -86,7 +86,9 @@ class Slot:
 
     @property
     def finishing(self) -> bool:
-        return self._finishing
+        """The outcome is being written, or the run committed a durable wait (it is 'waiting'
+        in the database: no lease to renew or lose, no stop to apply)."""
+        return self._finishing or self.control.suspended
 
     @property
     def given_up(self) -> bool:
@@ -112,7 +114,7 @@ class Slot:
 
     def request_cancel(self) -> bool:
         """Cancel the run's task; False if it is already stopping or its outcome is written."""
-        if self._stop is not None or self._finishing:
+        if self._stop is not None or self.finishing:
             return False
         self._stop = StopReason.CANCELLED
         self.control.cancel()
@@ -144,7 +146,7 @@ class Slot:
     def shut_down(self) -> bool:
         """The worker drains past its grace: the run is to be released. A plain handler gets
         no CancelledError: its next *_sync call refuses. False if it was stopping already."""
-        if self._stop is not None or self._finishing:
+        if self._stop is not None or self.finishing:
             return False
         self._stop = StopReason.SHUTDOWN
         self.control.close("the worker is shutting down")

@@ -15,7 +15,7 @@ from psycopg.rows import dict_row
 __all__ = ["STATUSES", "collect", "history", "render", "render_history", "render_schedules",
            "schedules"]
 
-STATUSES: Final = ("queued", "running", "succeeded", "failed", "cancelled")
+STATUSES: Final = ("queued", "running", "waiting", "succeeded", "failed", "cancelled")
 
 # Runs by tenant and status (the terminal ones too: they are the history users ask about).
 BY_TENANT: Final = """

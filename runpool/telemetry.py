@@ -213,6 +213,15 @@ def usage(input_tokens: int, output_tokens: int, provider: str | None) -> None:
         span.set_attribute(GENAI_PROVIDER, provider)
 
 
+def child_traceparent(run_id: uuid.UUID, traceparent: str | None) -> str | None:
+    """The traceparent a run's child carries: the attempt's span while tracing, else the run's
+    own trace context (see run_context), so a parent and its children share one trace."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=None if _tracer.get() is not None
+                     else run_context(run_id, traceparent))
+    return carrier.get("traceparent")
+
+
 def enqueue_traceparent(handler: str, tenant: str) -> tuple[Any, str | None]:
     """Start the enqueue span in the caller's process (its own tracer provider, if any) and
     return it with the traceparent to store; (None, None) when nothing is recording."""

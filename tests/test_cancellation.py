@@ -250,7 +250,8 @@ def test_catalog__every_function_is_definer_pinned_and_not_public(
     assert {r[0] for r in rows} >= {"enqueue", "cancel_run", "retry_run", "set_tenant_quota",
                                     "explain_run"}
     assert {r[0] for r in rows if r[4]} == {"attempts_used", "rank", "serial_key_lock",
-                                            "serial_commit_lock", "max_name_length"}
+                                            "serial_commit_lock", "max_name_length",
+                                            "max_stored_signals"}
     bad = [(name, definer, config, public) for name, definer, config, public, rule in rows
            if public or (not rule and (not definer or "search_path=" not in config))]
     assert bad == []

@@ -40,6 +40,25 @@ def test_enqueue_cancel_retry__round_trip(conn: psycopg.Connection, dsn: str) ->
     assert (out.returncode, out.stdout.strip()) == (0, "queued")
 
 
+def test_signal__stores_then_answers_the_terminal_status_bad_payload_refused(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    out = cli(dsn, "signal", str(run_id), "approval", "--payload", '{"approved": true}')
+    assert (out.returncode, out.stdout.strip()) == (0, "stored"), out.stderr
+    assert conn.execute("SELECT name, payload FROM runpool.signals").fetchall() \
+        == [("approval", {"approved": True})]
+    out = cli(dsn, "signal", str(run_id), "approval", "--tenant", "globex")
+    assert out.returncode == 1 and "no such run" in out.stderr, out.stderr
+    out = cli(dsn, "signal", str(run_id), "approval", "--payload", "{nope")
+    assert out.returncode == 2 and "--payload is not valid JSON" in out.stderr
+    out = cli(dsn, "signal", str(run_id), "")
+    assert out.returncode == 2 and "signal name must be 1 to 200" in out.stderr, out.stderr
+    assert conn.execute("SELECT count(*) FROM runpool.signals").fetchone() == (1,)
+    assert conn.execute("SELECT runpool.cancel_run(%s)", (run_id,)).fetchone() == ("cancelled",)
+    out = cli(dsn, "signal", str(run_id), "approval")
+    assert (out.returncode, out.stdout.strip()) == (0, "cancelled")
+
+
 def test_bad_ids_and_input__clear_errors_and_exit_codes(conn: psycopg.Connection,
                                                        dsn: str) -> None:
     for command in ("cancel", "retry"):
@@ -74,8 +93,10 @@ def test_status_json__counts_stuck_failures_and_latency(conn: psycopg.Connection
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)  # exactly one JSON document
     assert report["tenants"] == {
-        "acme": {"queued": 2, "running": 1, "succeeded": 0, "failed": 0, "cancelled": 0},
-        "globex": {"queued": 0, "running": 1, "succeeded": 1, "failed": 1, "cancelled": 0}}
+        "acme": {"queued": 2, "running": 1, "waiting": 0, "succeeded": 0, "failed": 0,
+                 "cancelled": 0},
+        "globex": {"queued": 0, "running": 1, "waiting": 0, "succeeded": 1, "failed": 1,
+                   "cancelled": 0}}
     assert report["stuck"] == 1
     in_flight = {r["id"]: r for r in report["in_flight"]}
     assert in_flight[str(ids["stuck"])]["lease_left_s"] < 0 < in_flight[str(ids["live"])][
@@ -258,6 +279,13 @@ def test_demo__completes_with_no_run_left_waiting(conn: psycopg.Connection, dsn:
     assert killed and cancelled and killed[1] != cancelled[1], stdout
     rows: dict[str, int] = dict(conn.execute(
         "SELECT status, count(*) FROM runpool.runs GROUP BY status").fetchall())
-    assert rows.get("queued", 0) + rows.get("running", 0) == 0, rows
+    assert rows.get("queued", 0) + rows.get("running", 0) + rows.get("waiting", 0) == 0, rows
     assert conn.execute("SELECT count(*) FROM runpool.runs WHERE handler = 'translate'"
                         " AND status = 'cancelled'").fetchone() == (1,)
+    # The second sample waited for approval, got it from another process, and deleted once.
+    assert "left its slot: explain_run -> waiting for signal approval" in stdout, stdout
+    assert conn.execute(
+        "SELECT r.status, r.result ->> 'deleted', (SELECT array_agg(e.tool ORDER BY e.tool)"
+        " FROM sample_agent_effects e WHERE e.run_id = r.id)"
+        " FROM runpool.runs r WHERE r.handler = 'guarded_delete'").fetchone() \
+        == ("succeeded", "true", ["delete_records", "search"])

@@ -148,6 +148,28 @@ def test_web_api_bad_requests__clear_errors_nothing_written(console: httpx.Clien
     assert _runs(conn) == 1
 
 
+def test_web_api_signal__stored_then_the_terminal_status_bad_names_refused(
+        console: httpx.Client, conn) -> None:
+    made = console.post("/api/runs", json={"tenant": "acme", "handler": "noop"}).json()["id"]
+    answer = console.post(f"/api/runs/{made}/signals/approval", json={"approved": True})
+    assert answer.json() == {"status": "stored"}, answer.text
+    # An empty body sends {}; a name is taken from the path, percent-decoded.
+    assert console.post(f"/api/runs/{made}/signals/two%20words").json() == {"status": "stored"}
+    assert conn.execute("SELECT name, payload FROM runpool.signals ORDER BY id").fetchall() == [
+        ("approval", {"approved": True}), ("two words", {})]
+    for bad, field in ((f"/api/runs/{made}/signals/{'n' * 201}", "name"),
+                       ("/api/runs/not-a-uuid/signals/go", "id")):
+        refused = console.post(bad, json={})
+        assert refused.status_code == 400 and refused.json()["error"].startswith(field), \
+            refused.text
+    big = console.post(f"/api/runs/{made}/signals/go", json={"blob": "x" * 1_100_000})
+    assert big.status_code == 400 and "payload" in big.json()["error"]
+    assert console.post(f"/api/runs/{uuid.uuid4()}/signals/go").status_code == 404
+    assert scalar(conn, "SELECT count(*) FROM runpool.signals") == 2
+    console.post(f"/api/runs/{made}/cancel")
+    assert console.post(f"/api/runs/{made}/signals/go").json() == {"status": "cancelled"}
+
+
 @pytest.mark.parametrize("tenant_of", [_tenant_from_header, _tenant_async])
 def test_web_api_tenant_of__scopes_every_route(dsn: str, conn, tenant_of: Any) -> None:
     other = conn.execute("SELECT runpool.enqueue('globex', 'noop')").fetchone()[0]
@@ -164,6 +186,8 @@ def test_web_api_tenant_of__scopes_every_route(dsn: str, conn, tenant_of: Any) -
         assert client.get(f"/api/runs/{other}", headers=acme).status_code == 404
         assert client.post(f"/api/runs/{other}/cancel", headers=acme).status_code == 404
         assert client.post(f"/api/runs/{other}/retry", headers=acme).status_code == 404
+        assert client.post(f"/api/runs/{other}/signals/go", headers=acme).status_code == 404
+        assert scalar(conn, "SELECT count(*) FROM runpool.signals") == 0
         assert client.get(f"/api/runs/{mine}", headers={"x-tenant": "globex"}
                           ).status_code == 404
         assert status_of(conn, other) == "queued"

@@ -12,7 +12,11 @@ import json
 from ..embedded import resolve_dsn
 from ..settings import Settings
 from .measure import median_of
-from .workloads import WORKLOADS
+from .wait_bench import w14_waits
+from .workloads import WORKLOADS as BASE
+
+# W14 lives in its own module (durable waits); every other workload in workloads.
+WORKLOADS = {**BASE, "W14": w14_waits}
 
 __all__ = ["run_bench"]
 

@@ -114,3 +114,10 @@ async def rate_loop(run: Run) -> Any:
         admitted.append(time.time())
         planned.append(asked + wait)
     return {"overheads_ms": overheads, "admitted": admitted, "planned": planned}
+
+
+@app.handler("await_signal")
+async def await_signal(run: Run) -> Any:
+    """W14: waits (out of its slot) for signal "go"; returns when it saw it."""
+    await run.wait_for("go")
+    return time.time()

@@ -1,13 +1,17 @@
 """`python -m runpool demo`: the sample agent on a real pool, across tenants and priorities —
 one run followed live (runpool.follow), a worker killed mid-run (the run resumes from its
-checkpoints) and a run cancelled."""
+checkpoints) and a run cancelled; and the second sample, an agent that waits (out of its slot)
+for a person's approval, which the demo gives from another process (`python -m runpool
+signal`)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -28,13 +32,14 @@ from ..migrate import migrate
 from ..settings import Settings
 from ..status import STATUSES
 from ..testing.pools import running_pool
-from . import sample_agent
+from . import approval_agent, sample_agent
 
 __all__ = ["app", "run_demo"]
 
 # The sample agent plus one plain (threaded) handler.
 app = App()
 app.handler("research")(sample_agent.research)
+app.handler("guarded_delete")(approval_agent.guarded_delete)
 
 
 @app.handler("summarize")
@@ -98,8 +103,12 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
         for tenant, quota in TENANTS.items():
             conn.execute("SELECT runpool.set_tenant_quota(%s, %s)", (tenant, quota))
         ids = enqueue_many(conn, _specs(runs))
+        guarded = enqueue_many(conn, [RunSpec("acme", "guarded_delete", {"customer": "c-42"})])[0]
+        ids.append(guarded)
         print(f"enqueued {len(ids)} runs for tenants {', '.join(TENANTS)}"
-              " (quotas: acme 3, globex 2, initech unlimited)")
+              " (quotas: acme 3, globex 2, initech unlimited), one of them an agent that"
+              " asks for approval before deleting records")
+        approved = False
         followed = _follow_one(dsn, conn, ids)
         killed: tuple[uuid.UUID, int] | None = None
         cancelled: uuid.UUID | None = None
@@ -118,7 +127,9 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
                     killed = _kill_a_worker(conn, ids)
                 elif cancelled is None:
                     cancelled = _cancel_a_run(conn, ids, killed[0])
-                if totals["queued"] + totals["running"] == 0:
+                if not approved:
+                    approved = _approve(conn, dsn, guarded)
+                if totals["queued"] + totals["running"] + totals["waiting"] == 0:
                     break
                 if not unserved:
                     unserved = _cancel_unserved(conn, ids)
@@ -127,6 +138,7 @@ def run_demo(settings: Settings, *, runs: int = 36) -> int:
             if followed is not None:
                 followed.join(timeout=30)
         _summary(conn, ids, killed, cancelled)
+        _approval_summary(conn, guarded)
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         _say("traces were exported to " + os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
              + ": in Jaeger, find the killed run's trace by its runpool.run.id; both attempts"
@@ -190,6 +202,33 @@ def _cancel_a_run(conn: psycopg.Connection[Any], ids: list[uuid.UUID],
     _say(f"SELECT runpool.cancel_run('{row[0]}', 'user pressed stop') -> "
          f"{answer[0] if answer else None}")
     return uuid.UUID(str(row[0]))
+
+
+def _approve(conn: psycopg.Connection[Any], dsn: str, run_id: uuid.UUID) -> bool:
+    """Once the approval agent waits: say what it waits for, and approve it from another
+    process, as a person's review UI would."""
+    row = conn.execute("SELECT runpool.explain_run(%s)", (run_id,)).fetchone()
+    if row is None or row[0] is None or row[0]["status"] != "waiting":
+        return False
+    _say(f"the approval agent {run_id} left its slot: explain_run -> {row[0]['summary']}")
+    command = [sys.executable, "-m", "runpool", "signal", str(run_id), approval_agent.SIGNAL,
+               "--payload", json.dumps({"approved": True, "by": "ops@example.com"}),
+               "--dsn", dsn]
+    answer = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    _say(f"python -m runpool signal {run_id} {approval_agent.SIGNAL} --payload"
+         f" '{{\"approved\": true, ...}}' -> {answer.stdout.strip() or answer.stderr.strip()}")
+    return True
+
+
+def _approval_summary(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
+    row = conn.execute("SELECT status, result, attempt FROM runpool.runs WHERE id = %s",
+                       (run_id,)).fetchone()
+    effects = conn.execute("SELECT tool, count(*) FROM sample_agent_effects WHERE run_id = %s"
+                           " GROUP BY tool ORDER BY tool", (run_id,)).fetchall()
+    _say(f"the approval agent: {row[0] if row else '?'} {row[1] if row else ''} in attempt"
+         f" {row[2] if row else '?'}; tool executions: "
+         + ", ".join(f"{tool} {n}x" for tool, n in effects)
+         + " (the lookup before the wait ran once: the resume read it back)")
 
 
 def _cancel_unserved(conn: psycopg.Connection[Any], ids: list[uuid.UUID]) -> list[uuid.UUID]:

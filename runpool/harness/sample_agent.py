@@ -17,7 +17,7 @@ from ..app import App
 from ..context import Run
 from ..errors import ToolOutcomeUnknown
 
-__all__ = ["EFFECTS", "ScriptedModel", "app", "prepare"]
+__all__ = ["EFFECTS", "ScriptedModel", "app", "prepare", "recorder"]
 
 app = App()
 
@@ -64,7 +64,8 @@ class ScriptedModel:
         return {"answer": f"report on {self.topic} sent"}
 
 
-def _recorder(run: Run, tool: str) -> Any:
+def recorder(run: Run, tool: str) -> Any:
+    """A sample tool that records each execution in sample_agent_effects."""
     async def record(arguments: Any, idempotency_key: str) -> Any:
         def write() -> None:
             with psycopg.connect(os.environ["RUNPOOL_DSN"], autocommit=True) as conn:
@@ -99,7 +100,7 @@ async def research(run: Run) -> Any:
             # Sending a report is not safe to repeat: if a crash interrupted it, the agent is
             # told the outcome is unknown instead of sending it twice.
             await run.tool(step["call_id"], step["tool"], step["arguments"],
-                           _recorder(run, step["tool"]),
+                           recorder(run, step["tool"]),
                            retry_interrupted=step["tool"] != "send_report")
         except ToolOutcomeUnknown:
             note = {"note": "the report may already have been sent; do not send it again"}

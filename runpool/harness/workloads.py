@@ -1,4 +1,5 @@
-"""The benchmark workloads (W1-W13, W15); `python -m runpool bench` runs them."""
+"""The benchmark workloads (W1-W13, W15; W14 is wait_bench's); `python -m runpool bench` runs
+them."""
 
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ UNION ALL SELECT 'flood', 10
 """
 
 
-async def _claim_latencies(dsn: str, claims: int) -> list[float]:
+async def claim_latencies(dsn: str, claims: int) -> list[float]:
     from ..claiming import claim
     from ..db import aconnect
     from ..queries import QUERIES
@@ -233,7 +234,7 @@ def w6_claim_cost(server: str, *, claims: int = 300) -> dict[str, Any]:
             for load in loads:
                 conn.execute(load)
             conn.execute("VACUUM ANALYZE runpool.runs")
-            times = asyncio.run(_claim_latencies(dsn, claims))
+            times = asyncio.run(claim_latencies(dsn, claims))
         out[f"p50_ms_{label}"] = round(percentile(times, 50), 3)
         out[f"p99_ms_{label}"] = round(percentile(times, 99), 3)
     for label in ("scheduled_20k", "paused_2k"):
@@ -251,7 +252,7 @@ def w6_claim_depth(server: str, *, claims: int = 300) -> dict[str, Any]:
             conn.execute(LOAD_TENANTS)
             conn.execute(LOAD_BACKLOG, {"depth": depth, "big": depth * 9 // 10})
             conn.execute("VACUUM ANALYZE runpool.runs")
-            times = asyncio.run(_claim_latencies(dsn, claims))
+            times = asyncio.run(claim_latencies(dsn, claims))
         out[f"p50_ms_{label}"] = round(percentile(times, 50), 3)
         out[f"p99_ms_{label}"] = round(percentile(times, 99), 3)
     out["p50_ratio_1m_to_1k"] = round(out["p50_ms_1m"] / out["p50_ms_1k"], 2)

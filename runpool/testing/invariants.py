@@ -29,7 +29,8 @@ _RECORD: Final = "INSERT INTO tool_log (run_id, call_id, attempt, key) VALUES (%
 
 # Runs not in a terminal state (each with its status).
 _NOT_TERMINAL: Final = """
-SELECT id, status FROM runpool.runs WHERE status IN ('queued', 'running') ORDER BY id LIMIT 20"""
+SELECT id, status FROM runpool.runs WHERE status IN ('queued', 'running', 'waiting')
+ORDER BY id LIMIT 20"""
 # Runs whose history is impossible: a terminal run without exactly one terminal event since
 # its last retry_run (a live one with any), or attempts claimed out of order or twice.
 _EVENTS: Final = """
@@ -91,6 +92,29 @@ FROM runpool.runs
 WHERE status = 'cancelled' AND started_at IS NOT NULL
   AND finished_at - cancel_requested_at > make_interval(secs => %(bound)s)
 ORDER BY seconds DESC LIMIT 20"""
+# Durable waits (0013): a waiting run holds no lease and has exactly one pending wait; no
+# finished run has one; a signal is consumed by one wait and a signalled wait consumed exactly
+# one signal, whose payload it returned.
+_WAITS: Final = """
+SELECT 'waiting run ' || r.id || ' has a lease or ' || count(w.seq) || ' pending waits'
+FROM runpool.runs r
+LEFT JOIN runpool.waits w ON w.run_id = r.id AND w.state = 'pending'
+WHERE r.status = 'waiting'
+GROUP BY r.id, r.lease_expires_at HAVING r.lease_expires_at IS NOT NULL OR count(w.seq) <> 1
+UNION ALL
+SELECT r.status || ' run ' || r.id || ' still has pending wait ' || w.seq
+FROM runpool.runs r JOIN runpool.waits w ON w.run_id = r.id AND w.state = 'pending'
+WHERE r.status IN ('succeeded', 'failed', 'cancelled')
+UNION ALL
+SELECT 'wait ' || w.run_id || '/' || w.seq || ' (' || w.state || ') consumed '
+       || count(s.id) || ' signals' || CASE WHEN bool_or(s.payload IS DISTINCT FROM w.payload)
+                                            THEN ', not the payload it returned' ELSE '' END
+FROM runpool.waits w
+LEFT JOIN runpool.signals s ON s.run_id = w.run_id AND s.consumed_by = w.seq
+GROUP BY w.run_id, w.seq, w.state, w.payload
+HAVING count(s.id) <> CASE w.state WHEN 'signalled' THEN 1 ELSE 0 END
+    OR bool_or(s.payload IS DISTINCT FROM w.payload)
+LIMIT 20"""
 # Counts by status.
 _STATUSES: Final = "SELECT status, count(*) FROM runpool.runs GROUP BY status"
 # Right now: tenants over their quota, serial keys with more than one live lease, and keys
@@ -154,6 +178,7 @@ def check(conn: psycopg.Connection[Any], *, cancel_bound: float | None = None,
             for r, c, s, a, e in _rows(conn, _RESULT_THROWN_AWAY)]
     violations += [f"run {r}: {what} (seq {q}) written by fenced attempt {a}"
                    for r, q, a, what in _rows(conn, _FENCED)]
+    violations += [what for (what,) in _rows(conn, _WAITS)]
     if cancel_bound is not None:
         violations += [f"run {i} took {s:.1f}s to end after its cancel (bound {cancel_bound}s)"
                        for i, s in _rows(conn, _CANCEL_LATENCY, {"bound": cancel_bound})]

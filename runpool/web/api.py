@@ -1,5 +1,5 @@
-"""The run API (JSON): create, read, cancel and retry a run, each confined to the request's
-tenant when the app has a tenant_of.
+"""The run API (JSON): create, read, cancel, retry and signal a run, each confined to the
+request's tenant when the app has a tenant_of.
 
 Bad input is a 400 whose message names the field, and nothing is written. POST bodies must
 be sent as `Content-Type: application/json`: a browser sends that type cross-site only after
@@ -18,13 +18,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from runpool.db import translate_error
+from runpool.db import dumps, jsonb, translate_error
 from runpool.enqueue import enqueue_async
 from runpool.errors import InvalidInput
+from runpool.waits import check_name
 
 from .state import jsonable, parse_run_id, web_of
 
-__all__ = ["MAX_BODY_BYTES", "cancel_run", "create_run", "read_json", "read_run", "retry_run"]
+__all__ = ["MAX_BODY_BYTES", "cancel_run", "create_run", "read_json", "read_run", "retry_run",
+           "signal_run"]
 
 # Largest request body read: above the database's own input limit (1 MiB by default), which
 # enqueue enforces with a clear message; this one only keeps a request from filling memory.
@@ -177,3 +179,12 @@ async def retry_run(request: Request) -> Response:
     """POST /api/runs/{id}/retry: retry_run's answer."""
     _object(await read_json(request))
     return await _answer(request, "retry")
+
+
+async def signal_run(request: Request) -> Response:
+    """POST /api/runs/{id}/signals/{name}, body: the payload (any JSON; an empty body or null
+    sends {}): signal_run's answer — 'delivered', 'stored' or the run's terminal status."""
+    payload = await read_json(request)
+    name = check_name(request.path_params["name"], "name: the signal name")
+    return await _answer(request, "signal", name=name,
+                         payload=jsonb(dumps({} if payload is None else payload)))

@@ -163,6 +163,7 @@ def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Sta
         Route("/api/runs/{id}/events", events.run_events),
         Route("/api/runs/{id}/cancel", api.cancel_run, methods=["POST"]),
         Route("/api/runs/{id}/retry", api.retry_run, methods=["POST"]),
+        Route("/api/runs/{id}/signals/{name}", api.signal_run, methods=["POST"]),
     ]
     if tenant_of is None:
         static = files("runpool.web") / "static"

@@ -167,6 +167,10 @@ SELECT runpool.cancel_run(%(id)s, %(reason)s::text, %(tenant)s::text);
 -- retry_run's answer (NULL: no such run, or another tenant's).
 SELECT runpool.retry_run(%(id)s, %(tenant)s::text);
 
+-- name: signal
+-- signal_run's answer (NULL: no such run, or another tenant's).
+SELECT runpool.signal_run(%(id)s, %(name)s, %(payload)s, %(tenant)s::text);
+
 -- name: live_workers
 -- How many workers are live, and their run slots.
 SELECT count(*) AS workers, coalesce(sum(w.concurrency), 0) AS slots
