@@ -787,3 +787,5 @@ GRANT EXECUTE ON FUNCTION
                    interval, timestamptz, jsonb)
 TO runpool_worker;
 GRANT SELECT ON runpool.waits, runpool.signals, runpool.join_checks TO runpool_api, runpool_worker;
+-- The deadline sweep (queries.sql expire_deadlines, run by workers) closes a waiting run's wait.
+GRANT UPDATE (state, resolved_at) ON runpool.waits TO runpool_worker;

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 import runpool
@@ -569,3 +570,34 @@ def test_spawn_takes_enqueue_options__checked_as_enqueue_checks_them(
 
     asyncio.run(main())
     assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE parent_id = %s", parent) == 1
+
+
+def test_a_pool_logged_in_with_only_the_worker_role__waits_spawns_and_wakes(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    login = f"rp_worker_{uuid.uuid4().hex[:10]}"
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE runpool_worker").format(
+        sql.Identifier(login)))
+    conn.execute(sql.SQL("GRANT INSERT ON tool_log TO {}").format(sql.Identifier(login)))
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
+        params["user"] = login
+        worker_dsn = psycopg.conninfo.make_conninfo(**params)  # type: ignore[arg-type]
+        approval = runpool.enqueue(conn, "acme", "approval", {})
+        parent = runpool.enqueue(conn, "acme", "parent", {"children": 2})
+        sleeper = runpool.enqueue(conn, "acme", "sleeper", {"seconds": 2.5})
+        timed = runpool.enqueue(conn, "acme", "approval", {"timeout": 1, "catch_timeout": True})
+        late = runpool.enqueue(conn, "acme", "approval", {}, deadline=datetime.datetime.now(
+            datetime.UTC) + datetime.timedelta(seconds=3))
+        with running_pool(worker_dsn, app=APP, lease_seconds=6):
+            _waiting(conn, approval)
+            assert runpool.signal_run(conn, approval, "approval", {"approved": True}) \
+                == "delivered"
+            for run_id in (approval, parent, sleeper, timed, late):
+                _ended(conn, run_id)
+        assert [status_of(conn, r) for r in (approval, parent, sleeper, timed, late)] == [
+            "succeeded", "succeeded", "succeeded", "succeeded", "failed"]
+        assert run_row(conn, late)["error"]["reason"] == "deadline_exceeded"
+        assert_invariants(conn)
+    finally:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(login)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(login)))
