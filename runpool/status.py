@@ -68,19 +68,11 @@ SERIAL_BACKLOG: Final = """
 SELECT tenant, serial_key, count(*) AS waiting FROM runpool.runs WHERE held
 GROUP BY tenant, serial_key ORDER BY waiting DESC, tenant, serial_key LIMIT 10
 """
-# What each tenant's runs spent (runs.usage, across attempts) among the runs still going or
-# that ended within the window.
+# What each tenant spent in the hours the window touches (runpool.tenant_usage, 0014: every
+# change of a run's usage is added to its tenant's hour as it happens).
 USAGE: Final = """
-SELECT tenant, count(*) AS runs,
-       sum((usage ->> 'input_tokens')::bigint) AS input_tokens,
-       sum((usage ->> 'output_tokens')::bigint) AS output_tokens,
-       sum((usage ->> 'cost')::numeric)::float8 AS cost,
-       sum((usage ->> 'tool_calls')::bigint) AS tool_calls,
-       sum((usage ->> 'turns')::bigint) AS turns
-FROM runpool.runs
-WHERE usage IS NOT NULL
-  AND (finished_at IS NULL OR finished_at > now() - %(window)s * interval '1 second')
-GROUP BY tenant
+SELECT tenant, runs, input_tokens, output_tokens, cost::float8 AS cost, tool_calls, turns
+FROM runpool.tenant_usage_since(now() - %(window)s * interval '1 second')
 ORDER BY cost DESC, tenant
 LIMIT 100
 """
@@ -169,8 +161,8 @@ def render(report: dict[str, Any]) -> str:
             f" p99 {_fmt(lat['wait_s']['p99'])}  |  run time p50 {_fmt(lat['run_s']['p50'])}"
             f" p95 {_fmt(lat['run_s']['p95'])} p99 {_fmt(lat['run_s']['p99'])}"]
     if report["usage"]:
-        out += ["", f"usage per tenant (runs going or ended in the last"
-                    f" {lat['window_s'] / 60:.0f} min):",
+        out += ["", f"usage per tenant (spent in the hours of the last"
+                    f" {lat['window_s'] / 60:.0f} min; runs: those that began spending):",
                 f"  {'tenant':<24}{'runs':>7}{'input tok':>12}{'output tok':>12}{'cost':>12}"
                 f"{'tools':>8}{'turns':>8}"]
         out += [f"  {u['tenant'][:24]:<24}{u['runs']:>7}{u['input_tokens']:>12}"

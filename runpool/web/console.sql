@@ -9,8 +9,10 @@
 -- difference waits: scheduled, in retry backoff, behind its serial key, or of a paused
 -- tenant; so do runs in the 'waiting' status of durable waits); runs that failed for good in the last 24 hours, up to %(failed_cap)s (a tenant's
 -- whole dead-letter history could be any size); and since when the oldest ready run waits.
--- Every count is index-only on runs_queued_tenant or runs_failed_tenant (0011).
+-- Every count is index-only on runs_queued_tenant or runs_failed_tenant (0011). What the
+-- tenant spent in the last 24 hours: at most 25 hours x 8 shards of runpool.tenant_usage (0014).
 SELECT q.tenant, q.quota, t.max_running IS NULL AS default_quota, q.live AS running,
+       s.tokens_24h, s.cost_24h,
        (SELECT count(*) FROM runpool.runs r
         WHERE r.tenant = q.tenant AND r.status = 'running'
           AND r.lease_expires_at <= now()) AS stuck,
@@ -39,6 +41,14 @@ CROSS JOIN LATERAL (
             AND r.finished_at > now() - interval '24 hours'
           LIMIT %(failed_cap)s) x
 ) f
+CROSS JOIN LATERAL (
+    SELECT sum(u.input_tokens + u.output_tokens)::bigint AS tokens_24h,
+           sum(u.cost)::float8 AS cost_24h
+    FROM runpool.tenant_usage u
+    WHERE u.tenant = q.tenant
+      AND u.hour >= date_bin('1 hour', now() - interval '24 hours',
+                             timestamptz '2000-01-01 00:00:00+00')
+) s
 WHERE q.tenant > %(after)s
 ORDER BY q.tenant
 LIMIT %(limit)s;
