@@ -60,7 +60,8 @@ def _after(request: Request) -> int:
                        ("after", request.query_params.get("after"))):
         if text is None or text == "":
             continue
-        if not text.isdigit() or int(text) > MAX_SEQ:
+        # ASCII digits only: str.isdigit also takes '²' (which int() refuses) and '١'.
+        if not (text.isascii() and text.isdigit()) or int(text) > MAX_SEQ:
             raise InvalidInput(f"{name}: must be an event seq (an integer from 0 to {MAX_SEQ}),"
                                f" not {text[:40]!r}")
         return int(text)
