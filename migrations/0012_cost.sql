@@ -139,9 +139,13 @@ BEGIN
         RAISE EXCEPTION 'runpool.enqueue: timeout must be more than 0 and at most a year, got %',
             enqueue.timeout USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- A past deadline is accepted: the run ends deadline_exceeded without starting.
-    IF enqueue.deadline IS NOT NULL AND NOT isfinite(enqueue.deadline) THEN
-        RAISE EXCEPTION 'runpool.enqueue: deadline must be a finite time, got %',
+    -- A past deadline is accepted: the run ends deadline_exceeded without starting. As for
+    -- run_at, a time centuries away is a unit mistake; and one in the year 10000 (UTC) is
+    -- stored but no Python client can read it back: every psycopg read of a list of runs
+    -- holding it would fail, other tenants' runs and all.
+    IF enqueue.deadline IS NOT NULL AND (NOT isfinite(enqueue.deadline)
+                                         OR enqueue.deadline > clock_timestamp() + interval '10 years') THEN
+        RAISE EXCEPTION 'runpool.enqueue: deadline must be a finite time at most 10 years ahead, got %',
             enqueue.deadline USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- Only when given: a nested SECURITY DEFINER call costs every enqueue (see 0008).

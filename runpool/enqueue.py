@@ -61,6 +61,22 @@ def _check_text(name: str, value: object) -> None:
                            f" {exc.start}") from None
 
 
+# PostgreSQL's integer: the type enqueue's priority and max_attempts are. psycopg sends a
+# Python int beyond it as a bigint, which no enqueue takes (UndefinedFunction, not a refusal).
+_INT_MIN: Final = -(2**31)
+_INT_MAX: Final = 2**31 - 1
+
+
+def _check_int(name: str, value: object) -> None:
+    """An integer the database can take as one; its range is runpool.enqueue's to check."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"{name} must be an integer, got {value!r}")
+    if not _INT_MIN <= value <= _INT_MAX:
+        raise InvalidInput(f"{name} is out of range, got {value}")
+
+
 @dataclass(frozen=True, slots=True)
 class RunSpec:
     tenant: str
@@ -83,6 +99,8 @@ class RunSpec:
     def params(self) -> dict[str, Any]:
         for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
             _check_text(name, getattr(self, name))
+        _check_int("priority", self.priority)
+        _check_int("max_attempts", self.max_attempts)
         # Serialised here so a value jsonb cannot hold fails before the database sees it.
         payload = dumps(self.input)
         return {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -13,6 +14,8 @@ import psycopg
 import pytest
 from starlette.requests import Request
 
+import runpool
+from runpool.enqueue import RunSpec, enqueue_many
 from runpool.web import create_app
 from tests.helpers import scalar
 from tests.webserver import serving
@@ -34,6 +37,44 @@ def api(dsn: str) -> Iterator[httpx.Client]:
 
 def _runs(conn: psycopg.Connection[Any]) -> int:
     return int(scalar(conn, "SELECT count(*) FROM runpool.runs"))
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    # Integers beyond PostgreSQL's integer: psycopg sends them as bigint, and no enqueue
+    # takes a bigint (UndefinedFunction, a 500, before the fix).
+    ({"handler": "noop", "priority": 2**63 - 1}, "priority"),
+    ({"handler": "noop", "priority": -2**63}, "priority"),
+    ({"handler": "noop", "priority": 2**31}, "priority"),
+    ({"handler": "noop", "max_attempts": 2**40}, "max_attempts"),
+    # A deadline the database stores but no Python client can read back (year 10000 in
+    # UTC): one tenant's run would fail every psycopg read of the runs around it.
+    ({"handler": "noop", "deadline": "9999-12-31T23:59:59-14:00"}, "deadline"),
+    ({"handler": "noop", "deadline": "9000-01-01T00:00:00Z"}, "deadline"),
+])
+def test_attack2_api__out_of_range_numbers_and_times_are_400_naming_the_field(
+        api: httpx.Client, conn, body: dict[str, Any], field: str) -> None:
+    answer = api.post("/api/runs", json=body)
+    assert answer.status_code == 400, answer.text
+    assert field in answer.json()["error"], answer.json()
+    assert _runs(conn) == 0
+    # The connection is still served (a 500 closes it).
+    assert api.get("/healthz").status_code == 200
+
+
+def test_attack2_enqueue__out_of_range_integers_are_invalid_input(conn) -> None:
+    for kwargs in ({"priority": 2**40}, {"max_attempts": -2**40}, {"priority": 2.0}):
+        with pytest.raises(runpool.InvalidInput, match=next(iter(kwargs))):
+            runpool.enqueue(conn, "acme", "noop", {}, **kwargs)
+        with pytest.raises(runpool.InvalidInput, match=next(iter(kwargs))):
+            enqueue_many(conn, [RunSpec("acme", "noop", {}, **kwargs)])
+    with pytest.raises(runpool.InvalidInput, match="deadline"):
+        runpool.enqueue(conn, "acme", "noop", {},
+                        deadline=datetime(9999, 1, 1, tzinfo=UTC))
+    assert _runs(conn) == 0
+    # A deadline within reach, and a past one (it ends deadline_exceeded), are taken.
+    runpool.enqueue(conn, "acme", "noop", {}, deadline=datetime(2030, 1, 1, tzinfo=UTC))
+    runpool.enqueue(conn, "acme", "noop", {}, deadline=datetime(2000, 1, 1, tzinfo=UTC))
+    assert _runs(conn) == 2
 
 
 @pytest.mark.parametrize("seq", ["\u00b2", "1\u00b9", "\u0661", "\uff11"])
