@@ -223,6 +223,9 @@ CREATE TABLE runpool.rate_limits (
     burst      double precision NOT NULL DEFAULT 0
         CONSTRAINT rate_limit_burst CHECK (burst >= 0 AND burst <= 1e12),
     tat        timestamptz NOT NULL DEFAULT now(),
+    -- The units of the key's last reservation, not given back yet: release_rate returns at
+    -- most these (tat is readable, so a caller could otherwise erase the whole line).
+    last_units double precision NOT NULL DEFAULT 0,
     updated_at timestamptz NOT NULL DEFAULT now()
 );
 
@@ -277,7 +280,8 @@ BEGIN
             coalesce(acquire_rate.units::text, 'NULL') USING ERRCODE = 'invalid_parameter_value';
     END IF;
     UPDATE runpool.rate_limits l
-    SET tat = greatest(l.tat, at) + acquire_rate.units * (60.0 / l.per_minute) * interval '1 second'
+    SET tat = greatest(l.tat, at) + acquire_rate.units * (60.0 / l.per_minute) * interval '1 second',
+        last_units = acquire_rate.units
     WHERE l.key = acquire_rate.key
       AND acquire_rate.units <= l.per_minute + l.burst
     -- The reservation starts at max(now, old tat - burst's time): the old tat is the new one
@@ -305,15 +309,17 @@ $$;
 -- Give back a reservation that will not be used (its run was cancelled while it waited), if
 -- it is still the key's last one (tat = its reserved_until): then no later reservation was
 -- planned after it, and the key is exactly as if it had never been made. Otherwise nothing
--- changes (returning units from the middle of the line could let the key exceed its limit).
+-- changes (returning units from the middle of the line could let the key exceed its limit),
+-- nor for more units than that reservation took, nor twice (NULL: nothing given back).
 CREATE FUNCTION runpool.release_rate(key text, units double precision,
                                      reserved_until timestamptz) RETURNS boolean
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
 UPDATE runpool.rate_limits l
-SET tat = l.tat - release_rate.units * (60.0 / l.per_minute) * interval '1 second'
+SET tat = l.tat - release_rate.units * (60.0 / l.per_minute) * interval '1 second',
+    last_units = 0
 WHERE l.key = release_rate.key AND l.tat = release_rate.reserved_until
-  AND release_rate.units > 0
+  AND release_rate.units > 0 AND release_rate.units <= l.last_units
 RETURNING true
 $$;
 
