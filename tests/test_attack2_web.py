@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 import runpool
 from runpool.enqueue import RunSpec, enqueue_many
-from runpool.web import create_app
+from runpool.web import create_app, events
 from tests.helpers import scalar
 from tests.webserver import serving
 
@@ -92,3 +92,21 @@ def test_attack2_sse__a_seq_in_other_digits_is_400_not_500(api: httpx.Client, co
     assert answer.status_code == 400, answer.text
     assert "after" in answer.json()["error"]
     assert api.get(f"/api/runs/{uuid.uuid4()}").status_code == 404  # still served
+
+
+def test_attack2_sse__the_apps_streams_fit_the_servers_connections(
+        dsn: str, conn, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stream holds a connection of its own: the app's cap of 200 was over PostgreSQL's
+    default max_connections (100), so five tenants' 20 streams each took every connection the
+    pools and the API needed. The cap is now a share of the server's max_connections (a
+    quarter); here a share that leaves room for two."""
+    max_connections = int(scalar(conn, "SELECT current_setting('max_connections')::int"))
+    monkeypatch.setattr(events, "STREAMS_SHARE", max_connections // 2, raising=False)
+    run_id = scalar(conn, "SELECT runpool.enqueue('acme', 'nobody_serves_this')")
+    path = f"/api/runs/{run_id}/events"
+    with serving(create_app(dsn)) as url, httpx.Client(base_url=url, timeout=20) as client, \
+            client.stream("GET", path) as first, client.stream("GET", path) as second:
+        assert (first.status_code, second.status_code) == (200, 200)
+        third = client.get(path, timeout=5)
+        assert third.status_code == 503, third.text
+        assert "too many event streams" in third.json()["error"]

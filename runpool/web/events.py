@@ -35,12 +35,16 @@ from runpool.live import TERMINAL, RunEvent, follow
 
 from .state import Web, parse_run_id, web_of
 
-__all__ = ["APPLICATION_NAME", "MAX_STREAMS", "MAX_STREAMS_PER_TENANT", "frame", "run_events"]
+__all__ = ["APPLICATION_NAME", "MAX_STREAMS", "MAX_STREAMS_PER_TENANT", "STREAMS_SHARE", "frame",
+           "run_events"]
 
 logger = logging.getLogger("runpool.web")
 
 # Open streams per app (each holds a database connection), and per tenant with a tenant_of.
 MAX_STREAMS: Final = 200
+# ... and at most this share of the server's max_connections (1/4: 25 of PostgreSQL's default
+# 100): the pools, the API and the app's own pool need the rest.
+STREAMS_SHARE: Final = 4
 MAX_STREAMS_PER_TENANT: Final = 20
 # A comment line this often keeps proxies from closing a quiet stream (a queued run).
 KEEPALIVE_SECONDS: Final = 15.0
@@ -135,6 +139,14 @@ class _EventStream(StreamingResponse):
             self.release()
 
 
+async def _max_streams(web: Web, conn: Any) -> int:
+    """The app's cap on open streams: MAX_STREAMS, within its share of the server's
+    connections (read once: max_connections changes only with a server restart)."""
+    cur = await conn.execute(web.sql["max_connections"])
+    row = await cur.fetchone()
+    return max(1, min(MAX_STREAMS, int(row[0]) // STREAMS_SHARE))
+
+
 async def run_events(request: Request) -> Response:
     web = web_of(request)
     tenant = await web.scope(request)
@@ -142,12 +154,14 @@ async def run_events(request: Request) -> Response:
     after = _after(request)
     async with web.connection() as conn:
         rows = await web.rows(conn, "run", {"id": run_id, "tenant": tenant})
+        if web.max_streams is None:
+            web.max_streams = await _max_streams(web, conn)
     if not rows:
         raise HTTPException(404, "no such run")
     run = rows[0]["run"]
     if run["status"] in TERMINAL and after >= run.get("event_seq", 0):
         return Response(status_code=204)  # nothing more will come: stop reconnecting
-    if sum(web.streams.values()) >= MAX_STREAMS:
+    if sum(web.streams.values()) >= web.max_streams:
         raise HTTPException(503, "too many event streams open; try again later")
     if tenant is not None and web.streams.get(tenant, 0) >= MAX_STREAMS_PER_TENANT:
         raise HTTPException(429, f"at most {MAX_STREAMS_PER_TENANT} event streams per tenant")

@@ -48,6 +48,8 @@ class Web:
     pool: AsyncConnectionPool | None = None
     # Open event streams per tenant (None: the operator), for their caps.
     streams: dict[str | None, int] = field(default_factory=dict)
+    # The cap on all of them (events.py), read from the server at the first stream.
+    max_streams: int | None = None
     # Opens the pool (app.py); set by create_app.
     open_pool: Callable[[], Awaitable[AsyncConnectionPool]] = field(default=_no_pool)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
