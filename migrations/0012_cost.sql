@@ -140,12 +140,13 @@ BEGIN
             enqueue.timeout USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- A past deadline is accepted: the run ends deadline_exceeded without starting. As for
-    -- run_at, a time centuries away is a unit mistake; and one in the year 10000 (UTC) is
-    -- stored but no Python client can read it back: every psycopg read of a list of runs
-    -- holding it would fail, other tenants' runs and all.
+    -- run_at, a time centuries away is a unit mistake; and one in the year 10000 (UTC), or
+    -- before the year 1, is stored but no Python client can read it back: every psycopg read
+    -- of a list of runs holding it would fail, other tenants' runs and all.
     IF enqueue.deadline IS NOT NULL AND (NOT isfinite(enqueue.deadline)
+                                         OR enqueue.deadline < '1970-01-01 00:00:00+00'
                                          OR enqueue.deadline > clock_timestamp() + interval '10 years') THEN
-        RAISE EXCEPTION 'runpool.enqueue: deadline must be a finite time at most 10 years ahead, got %',
+        RAISE EXCEPTION 'runpool.enqueue: deadline must be a finite time from 1970 to 10 years ahead, got %',
             enqueue.deadline USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- Only when given: a nested SECURITY DEFINER call costs every enqueue (see 0008).

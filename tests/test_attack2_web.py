@@ -50,6 +50,8 @@ def _runs(conn: psycopg.Connection[Any]) -> int:
     # UTC): one tenant's run would fail every psycopg read of the runs around it.
     ({"handler": "noop", "deadline": "9999-12-31T23:59:59-14:00"}, "deadline"),
     ({"handler": "noop", "deadline": "9000-01-01T00:00:00Z"}, "deadline"),
+    # ... and one before the year 1 (UTC), which no Python client can read either.
+    ({"handler": "noop", "deadline": "0001-01-01T00:00:00+14:00"}, "deadline"),
 ])
 def test_attack2_api__out_of_range_numbers_and_times_are_400_naming_the_field(
         api: httpx.Client, conn, body: dict[str, Any], field: str) -> None:
