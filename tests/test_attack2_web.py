@@ -17,7 +17,7 @@ from starlette.requests import Request
 import runpool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.web import create_app, events
-from tests.helpers import scalar
+from tests.helpers import scalar, wait_for
 from tests.webserver import serving
 
 ACME = {"x-tenant": "acme", "content-type": "application/json"}
@@ -112,3 +112,19 @@ def test_attack2_sse__the_apps_streams_fit_the_servers_connections(
         third = client.get(path, timeout=5)
         assert third.status_code == 503, third.text
         assert "too many event streams" in third.json()["error"]
+
+
+def test_attack2_sse__closed_streams_leave_no_count_behind(dsn: str, conn) -> None:
+    """The per-tenant counts kept an entry for every tenant that ever opened a stream: with a
+    tenant_of that trusts what the client sends, a client naming a new tenant per request
+    grew them without bound (and summed them all at every stream's start)."""
+    app = create_app(dsn, tenant_of=_tenant)
+    with serving(app) as url, httpx.Client(base_url=url, timeout=20) as client:
+        for n in range(5):
+            tenant = f"tenant-{n}"
+            run_id = scalar(conn, "SELECT runpool.enqueue(%s, 'noop')", tenant)
+            conn.execute("SELECT runpool.cancel_run(%s)", (run_id,))
+            answer = client.get(f"/api/runs/{run_id}/events", headers={"x-tenant": tenant})
+            assert answer.status_code == 200 and b"cancelled" in answer.content
+        # A stream gives its slot back after its last byte went out.
+        wait_for(lambda: app.state.web.streams == {}, timeout=10, what="the counts to go")

@@ -168,6 +168,11 @@ async def run_events(request: Request) -> Response:
     web.streams[tenant] = web.streams.get(tenant, 0) + 1
 
     def release() -> None:
-        web.streams[tenant] -= 1
+        # No entry left at 0: one per tenant ever seen would grow without bound.
+        left = web.streams[tenant] - 1
+        if left:
+            web.streams[tenant] = left
+        else:
+            del web.streams[tenant]
 
     return _EventStream(_stream(web, run_id, after, tenant), release)
