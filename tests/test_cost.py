@@ -68,7 +68,10 @@ def _error(conn: psycopg.Connection, run_id: uuid.UUID) -> dict[str, Any]:
     ({"timeout": -5}, "timeout must be more than 0"),
     ({"timeout": timedelta(seconds=-1)}, "timeout must be more than 0"),
     ({"timeout": float("nan")}, "timeout must be a number of seconds"),
-    ({"deadline": datetime.max.replace(tzinfo=UTC)}, None),  # far but finite: accepted
+    # Far but finite was accepted, and then unreadable by psycopg in any session east of UTC
+    # (the year 10000 there): refused like a run_at over 10 years ahead (attack 2).
+    ({"deadline": datetime.max.replace(tzinfo=UTC)}, "deadline must be a finite time from 1970"),
+    ({"deadline": datetime.now(UTC) + timedelta(days=9 * 365)}, None),
 ])
 def test_enqueue_bad_cost_values__clear_error_nothing_written(
         conn: psycopg.Connection, options: dict[str, Any], message: str | None) -> None:
