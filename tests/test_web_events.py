@@ -96,7 +96,7 @@ def test_sse__a_client_gone_mid_stream_frees_its_connection_and_resumes(dsn: str
                     assert _streams(conn) == 1
                     break  # the client goes away mid-stream
         wait_for(lambda: _streams(conn) == 0, what="the stream's connection to close")
-        wait_for(lambda: app.state.web.streams == {None: 0}, what="the stream slot back")
+        wait_for(lambda: app.state.web.streams == {}, what="the stream slot back")
         assert status_of(conn, run_id) == "running"  # the run never waited for its follower
         last = [e for e in seen if e["event"] != "progress"][-1]["id"]
         rest = _story(client, run_id, **{"Last-Event-ID": last})
