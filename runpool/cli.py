@@ -59,7 +59,11 @@ _HELP = {
     "max_message_bytes": "largest message or tool result a handler may commit",
     "max_result_bytes": "largest result a handler may end a run with",
     "pool_size": "database connections per worker (default 3 + concurrency/4)",
-    "listen": "use LISTEN/NOTIFY (--no-listen: poll only, for transaction-mode poolers)",
+    "listen": "use LISTEN/NOTIFY (--no-listen: poll only)",
+    "listen_dsn": "the LISTEN connection's DSN, direct to PostgreSQL: --dsn may then name a"
+                  " transaction-mode pooler (work connections keep no session state)",
+    "host_connections": "most work connections of this host's workers together (default:"
+                        " workers x (pool size + 1))",
     "data_dir": "embedded PostgreSQL data directory",
     "schedule_catchup_max": "most missed plans of one schedule catch_up='all' fires",
 }
@@ -96,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"runpool {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    db_only = ("dsn", "data_dir")
+    db_only = ("dsn", "data_dir", "listen_dsn")
 
     p = sub.add_parser(
         "worker", aliases=["run"], help="run the worker pool (the default command)",
@@ -248,7 +252,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "ui":
         return _ui(settings, args.host, args.port)
     dsn = resolve_dsn(settings, announce=False)
-    with connect(dsn, autocommit=True) as conn:
+    # wait and runs --follow LISTEN: behind a pooler they take the direct DSN.
+    listens = args.command == "wait" or (args.command == "runs" and args.follow)
+    if listens and settings.listen_dsn:
+        dsn = settings.listen_dsn
+    with connect(dsn, autocommit=True,
+                 stateless=settings.stateless and dsn != settings.listen_dsn) as conn:
         if args.command == "migrate":
             return _migrate(conn, sql_only=args.sql)
         from .migrate import check, migrate

@@ -22,11 +22,12 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from .errors import DatabaseTimeout, InvalidInput
+from .errors import DatabaseTimeout, InvalidInput, UsageError
 
 __all__ = [
     "again",
     "bounded",
+    "check_stateless",
     "configure",
     "connect",
     "connection_options",
@@ -83,10 +84,8 @@ _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 # - read committed, whatever the database's default_transaction_isolation: the fenced writes
 #   and the queue's statements are written for it (under repeatable read a checkpoint write
 #   fails with a serialization error whenever the heartbeat touched the run row). Pinned per
-#   session, not per transaction, so no statement pays for it. PgBouncer in transaction mode
-#   (issue 19) shares sessions between clients: it will need the startup-parameter form
-#   (`options=-c default_transaction_isolation=...`, allowed through by the pooler) or
-#   `BEGIN ISOLATION LEVEL READ COMMITTED` per transaction;
+#   session, not per transaction, so no statement pays for it. Behind PgBouncer in transaction
+#   mode sessions are shared between clients: see STATELESS_OPTIONS for that case;
 # - no JIT: the queue's statements are short index probes, and JIT compilation (which a cost
 #   estimate on young statistics can trigger) would cost a hundred times the query.
 SESSION_SETUP: Final = """
@@ -168,20 +167,56 @@ def configure(context: AdaptContext) -> None:
     set_json_loads(loads, context)
 
 
-def connect(dsn: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
-    conn = psycopg.connect(dsn, autocommit=True, **_options(dsn))
+# Behind a pooler in transaction mode (`stateless`), a session is not ours: a session SET
+# would leak into whichever client the pooler hands the server session to next, and a prepared
+# statement would be missing on the next server session (PgBouncer before 1.21 does not track
+# them; Debian 12 ships 1.18). So such connections prepare nothing and set nothing; explicit
+# transactions say their isolation level in their BEGIN, and single statements rely on the
+# database's default, which `check_stateless` verifies once at start. JIT stays as the
+# database has it (turn it off for the role: ALTER ROLE ... SET jit = off).
+STATELESS_OPTIONS: Final[dict[str, Any]] = {"prepare_threshold": None}
+# Read through the pooler at start (see check_stateless).
+DEFAULT_ISOLATION: Final = "SELECT current_setting('default_transaction_isolation')"
+
+
+def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False
+            ) -> psycopg.Connection[Any]:
+    """A runpool connection (`stateless`: one that may go through a transaction-mode pooler)."""
+    extra = STATELESS_OPTIONS if stateless else {}
+    conn = psycopg.connect(dsn, autocommit=True, **_options(dsn), **extra)
     configure(conn)
-    conn.execute(SESSION_SETUP)
+    if stateless:
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    else:
+        conn.execute(SESSION_SETUP)
     conn.autocommit = autocommit
     return conn
 
 
-async def aconnect(dsn: str, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **_options(dsn))
+async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = False
+                   ) -> psycopg.AsyncConnection[Any]:
+    extra = STATELESS_OPTIONS if stateless else {}
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **_options(dsn), **extra)
     configure(conn)
-    await conn.execute(SESSION_SETUP)
+    if stateless:
+        await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)
+    else:
+        await conn.execute(SESSION_SETUP)
     await conn.set_autocommit(autocommit)
     return conn
+
+
+def check_stateless(conn: psycopg.Connection[Any]) -> None:
+    """Refuse a database whose single statements would not run read committed: a stateless
+    connection cannot pin the level for its session (see STATELESS_OPTIONS)."""
+    row = conn.execute(DEFAULT_ISOLATION).fetchone()
+    level = row[0] if row else None
+    if level != "read committed":
+        raise UsageError(
+            f"the database's default_transaction_isolation is {level!r}: behind a pooler"
+            " (RUNPOOL_LISTEN_DSN set) runpool's single statements run at the database's"
+            " default, and they need 'read committed' (ALTER DATABASE ... SET"
+            " default_transaction_isolation = 'read committed', or the role's)")
 
 
 async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -192,8 +227,15 @@ async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
     await conn.execute(WORKER_SESSION)
 
 
-async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | None = None
-                    ) -> AsyncConnectionPool:
+async def _configure_stateless(conn: psycopg.AsyncConnection[Any]) -> None:
+    configure(conn)
+    await conn.set_autocommit(True)
+    # Explicit transactions begin with BEGIN ISOLATION LEVEL READ COMMITTED: no session state.
+    await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)
+
+
+async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | None = None,
+                    stateless: bool = False) -> AsyncConnectionPool:
     """Open the worker's pool. A checkout costs no round trip (a check would cost one on every
     claim), and the server's idle_session_timeout does not apply to pooled sessions
     (WORKER_SESSION). A connection broken otherwise (a restart, a failover,
@@ -201,7 +243,8 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
     are safe to repeat retry on another connection (see retrying).
     `connect_timeout` (seconds, at least 2; default CONNECT_TIMEOUT unless the DSN sets one)
     bounds each new connection's attempt: one started while the network is silent would
-    otherwise wait for as long as it stays silent."""
+    otherwise wait for as long as it stays silent. `stateless`: the connections may go through
+    a transaction-mode pooler (see STATELESS_OPTIONS)."""
     pool: AsyncConnectionPool = AsyncConnectionPool(
         dsn,
         min_size=size,
@@ -211,9 +254,10 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
         # Named after the pool (unless the DSN names its connections): an operator can tell a
         # worker's connections in pg_stat_activity.
         kwargs={**_options(dsn, connect_timeout),
+                **(STATELESS_OPTIONS if stateless else {}),
                 **({} if "application_name" in conninfo_to_dict(dsn)
                    else {"application_name": name})},
-        configure=_configure_pooled,
+        configure=_configure_stateless if stateless else _configure_pooled,
         max_idle=300,
         reconnect_timeout=3600,
     )

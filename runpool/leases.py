@@ -77,7 +77,8 @@ class LeaseKeeper:
         # A connection of its own: with every pooled connection busy writing checkpoints (or
         # waiting for one), a heartbeat queued behind them would cost leases.
         beat_pool = await open_pool(self._dsn, size=1, name=f"runpool-beat-{os.getpid()}",
-                                    connect_timeout=max(2, int(self._settings.heartbeat_seconds)))
+                                    connect_timeout=max(2, int(self._settings.heartbeat_seconds)),
+                                    stateless=self._settings.stateless)
         try:
             interval = self._settings.heartbeat_seconds
             while True:

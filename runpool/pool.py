@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from .app import App, load_app
-from .db import connect
+from .db import check_stateless, connect
 from .errors import InvalidInput, WorkerFailed
 from .migrate import check
 from .settings import Settings
@@ -81,11 +81,13 @@ class Pool:
         """Check the schema, then start claiming; returns once the worker is registered.
 
         Raises SchemaOutOfDate on a database this runpool does not match (run `python -m
-        runpool migrate`), and whatever stopped the worker from starting.
+        runpool migrate`), UsageError behind a pooler whose database would not run runpool's
+        statements read committed (see db.check_stateless), and whatever stopped the worker
+        from starting.
         """
         if self._task is not None:
             raise InvalidInput("this Pool was started already; a Pool runs once")
-        await asyncio.to_thread(_check_schema, self._worker.dsn)
+        await asyncio.to_thread(_check_schema, self._worker.dsn, self.settings.stateless)
         self._task = asyncio.create_task(self._worker.run(self._stop, self._abort),
                                          name=f"runpool-worker-{self.worker_id}")
         started = asyncio.ensure_future(self._worker.ready.wait())
@@ -150,6 +152,8 @@ class Pool:
                 "action": "pool_failed", "worker_id": str(self.worker_id)})
 
 
-def _check_schema(dsn: str) -> None:
-    with connect(dsn, autocommit=True) as conn:
+def _check_schema(dsn: str, stateless: bool) -> None:
+    with connect(dsn, autocommit=True, stateless=stateless) as conn:
         check(conn)
+        if stateless:
+            check_stateless(conn)

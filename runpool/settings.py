@@ -7,6 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
 from .errors import InvalidInput
 
 __all__ = ["Settings"]
@@ -52,6 +55,13 @@ class Settings:
     # None: 3 + concurrency / 4.
     pool_size: int | None = None
     listen: bool = True
+    # The LISTEN connection's DSN, direct to PostgreSQL. Set, it lets `dsn` point at a pooler in
+    # transaction mode (PgBouncer): work connections then keep no session state (no session SET,
+    # no prepared statements). None: LISTEN on `dsn`, whose sessions are runpool's own.
+    listen_dsn: str | None = None
+    # The most work connections (claims, outcomes, checkpoints, heartbeats) of all the worker
+    # processes of one host together, shared evenly; None: each takes `connections` + 1.
+    host_connections: int | None = None
     data_dir: str = ".runpool/pgdata"
     # The most plans of one schedule that catch_up='all' fires after an outage (the latest).
     schedule_catchup_max: int = 100
@@ -85,12 +95,35 @@ class Settings:
         if not 1 <= self.schedule_catchup_max <= 10_000:
             raise InvalidInput("schedule_catchup_max must be between 1 and 10000,"
                                f" got {self.schedule_catchup_max}")
+        if self.listen_dsn is not None:
+            _check_dsn("listen_dsn", self.listen_dsn)
+        if self.host_connections is not None and not (
+                3 * self.workers <= self.host_connections <= 10_000):
+            raise InvalidInput(
+                f"host_connections must be between 3 x workers ({3 * self.workers}) and 10000,"
+                f" got {self.host_connections} (each worker needs 2 pooled and 1 heartbeat"
+                " connection)")
         if self.aging_seconds is not None and not self.aging_seconds > 0:
             raise InvalidInput(f"aging_seconds must be > 0, got {self.aging_seconds}")
 
     @property
     def connections(self) -> int:
+        """One worker's pooled work connections (its heartbeat's own one comes on top)."""
+        if self.host_connections is not None:
+            # The host's cap, shared evenly: each worker keeps one for its heartbeat.
+            return min(self.host_connections // self.workers - 1, 100)
         return self.pool_size or 3 + -(-self.concurrency // 4)
+
+    @property
+    def stateless(self) -> bool:
+        """Whether work connections must keep no session state: `dsn` may be a pooler in
+        transaction mode, which hands each transaction whichever server session is free."""
+        return self.listen_dsn is not None
+
+    @property
+    def listen_target(self) -> str | None:
+        """The DSN the LISTEN connection opens."""
+        return self.listen_dsn or self.dsn
 
     @property
     def heartbeat_seconds(self) -> float:
@@ -113,6 +146,13 @@ class Settings:
             values["dsn"] = env["DATABASE_URL"]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def _check_dsn(name: str, dsn: str) -> None:
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise InvalidInput(f"{name} is not a PostgreSQL connection string: {exc}") from None
 
 
 def _parse(name: str, raw: str, type_name: str) -> Any:

@@ -22,7 +22,7 @@ from types import FrameType
 
 from . import telemetry
 from .app import App, load_app
-from .errors import SchemaOutOfDate, WorkerFailed
+from .errors import SchemaOutOfDate, UsageError, WorkerFailed
 from .exits import EXIT_CONFIG, EXIT_ORPHANED, EXIT_STUCK
 from .pool import Pool
 from .settings import Settings
@@ -47,7 +47,7 @@ def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | 
     """The body of one worker process; returns its exit code."""
     try:
         return asyncio.run(_worker_async(settings, dsn, app, parent_fd))
-    except SchemaOutOfDate as exc:
+    except (SchemaOutOfDate, UsageError) as exc:
         logger.error("%s", exc, extra={"action": "schema_out_of_date"})
         return EXIT_CONFIG
 

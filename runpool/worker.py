@@ -95,7 +95,8 @@ class Worker:
         """Work until `stop` (drain: finish or release in-flight runs) or `abort` (release now)."""
         s = self.settings
         telemetry.activate(self.tracer_provider)
-        self._pool = await open_pool(self.dsn, size=s.connections, name=f"runpool-{os.getpid()}")
+        self._pool = await open_pool(self.dsn, size=s.connections, name=f"runpool-{os.getpid()}",
+                                     stateless=s.stateless)
         side: list[asyncio.Task[None]] = []
         try:
             await self._register()
@@ -121,7 +122,8 @@ class Worker:
             side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
             if s.listen:
                 self.listener = Listener(
-                    self.dsn, self._attention, self.cancels.on_notice, worker_id=self.id,
+                    s.listen_dsn or self.dsn, self._attention, self.cancels.on_notice,
+                    worker_id=self.id,
                     on_schedules=self.scheduler.poke,
                 )
                 side.append(asyncio.create_task(self.listener.run(), name="listener"))

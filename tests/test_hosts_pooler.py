@@ -1,0 +1,200 @@
+"""Pooler mode (issue 19): RUNPOOL_DSN through a real PgBouncer in transaction mode,
+RUNPOOL_LISTEN_DSN direct. Work connections keep no session state, the server sees no more
+connections than the pooler's pool plus one LISTEN connection per worker, and wake-ups and
+cancel notices still arrive over the direct connection."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import runpool
+from runpool.db import connect
+from runpool.testing import database_name
+from tests.apps import app as test_app
+from tests.helpers import ROOT, assert_invariants, pool_env, running_pool, wait_for
+from tests.pgbouncer import Bouncer, pgbouncer
+
+POOL_SIZE = 3
+LISTEN_NAME = "runpool-listen"
+# Settings a runpool session would leave behind on a server connection it did not own.
+LEFTOVERS = """
+SELECT current_setting('runpool.session', true), current_setting('plan_cache_mode'),
+       current_setting('jit'), current_setting('idle_session_timeout'),
+       (SELECT count(*) FROM pg_prepared_statements), pg_backend_pid()
+"""
+# The server's connections to the test database, but this one (the sampler's).
+SERVER_CONNECTIONS = """
+SELECT count(*) FILTER (WHERE application_name <> %(listen)s),
+       count(*) FILTER (WHERE application_name = %(listen)s)
+FROM pg_stat_activity WHERE datname = %(db)s AND pid <> pg_backend_pid()
+"""
+
+
+def _named(dsn: str, name: str) -> str:
+    params = conninfo_to_dict(dsn)
+    params["application_name"] = name
+    return make_conninfo(**params)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def bouncer(server_dsn: str) -> Iterator[Bouncer]:
+    with pgbouncer(server_dsn, pool_size=POOL_SIZE) as b:
+        yield b
+
+
+class _Peak:
+    """Samples the server's connections to one database on a direct connection of its own."""
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self.pooled = 0
+        self.listening = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with psycopg.connect(self._dsn, autocommit=True) as conn:
+            while not self._stop.wait(0.02):
+                row = conn.execute(SERVER_CONNECTIONS, {
+                    "listen": LISTEN_NAME, "db": database_name(self._dsn)}).fetchone()
+                assert row is not None
+                self.pooled = max(self.pooled, row[0])
+                self.listening = max(self.listening, row[1])
+                self.samples += 1
+
+    def __enter__(self) -> _Peak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _leftovers(bouncer: Bouncer, pooled: str) -> list[tuple[Any, ...]]:
+    """What every server connection of the pooler carries: POOL_SIZE clients each holding a
+    transaction open are handed every server connection there is."""
+    conns = [psycopg.connect(pooled, prepare_threshold=None) for _ in range(POOL_SIZE)]
+    try:
+        rows = []
+        for conn in conns:
+            row = conn.execute(LEFTOVERS).fetchone()
+            assert row is not None
+            rows.append(row)
+        return rows
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_pooler__runs_enqueues_and_cancels_go_through_pgbouncer_in_transaction_mode(
+        dsn: str, bouncer: Bouncer) -> None:
+    pooled = bouncer.dsn(dsn)
+    direct = _named(dsn, LISTEN_NAME)
+    with connect(pooled, autocommit=True, stateless=True) as api, _Peak(dsn) as peak:
+        # 2 workers x (5 pooled + 1 heartbeat) client connections over 3 server connections;
+        # polls and heartbeats far apart, so only wake-ups and notices can be quick.
+        with running_pool(pooled, workers=2, concurrency=8, poll_seconds=60,
+                          lease_seconds=120, listen_dsn=direct) as pool:
+            wait_for(lambda: peak.listening == 2, what="one LISTEN connection per worker")
+            # W1's path: a bulk enqueue through the pooler, drained.
+            ids = runpool.enqueue_many(api, [runpool.RunSpec("t1", "noop", {"i": i})
+                                             for i in range(200)])
+            wait_for(lambda: api.execute(
+                "SELECT count(*) = 200 FROM runpool.runs WHERE status = 'succeeded'"
+                " AND id = ANY(%s)", (ids,)).fetchone()[0], timeout=60, what="200 runs done")
+            # W2's path: runs enqueued one at a time start on the doorbell, not on a poll.
+            for i in range(5):
+                run_id = runpool.enqueue(api, "t2", "noop", {"i": i})
+                wait_for(lambda rid=run_id: api.execute(
+                    "SELECT status = 'succeeded' FROM runpool.runs WHERE id = %s",
+                    (rid,)).fetchone()[0], timeout=10, what=f"run {i} started by a wake-up")
+            # W9's path: a cancel through the pooler reaches the handlers by notice.
+            holds = [runpool.enqueue(api, "t3", "hold", {}) for _ in range(4)]
+            wait_for(lambda: api.execute(
+                "SELECT count(*) = 4 FROM runpool.runs WHERE status = 'running'"
+                " AND id = ANY(%s)", (holds,)).fetchone()[0], timeout=10, what="holds running")
+            for run_id in holds:
+                assert api.execute("SELECT runpool.cancel_run(%s, 'test')",
+                                   (run_id,)).fetchone() is not None
+            wait_for(lambda: api.execute(
+                "SELECT count(*) = 4 FROM runpool.runs WHERE status = 'cancelled'"
+                " AND id = ANY(%s)", (holds,)).fetchone()[0], timeout=10, what="cancelled")
+            assert "listen_lost" not in pool.log()
+        assert peak.samples > 10
+        assert peak.pooled <= POOL_SIZE, f"{peak.pooled} server connections through the pooler"
+        assert peak.listening == 2
+        # No server connection carries a runpool session's settings or prepared statements.
+        for setting, plan_mode, jit, idle, prepared, pid in _leftovers(bouncer, pooled):
+            assert setting in (None, ""), f"backend {pid}: runpool.session={setting!r}"
+            assert plan_mode == "auto", f"backend {pid}: plan_cache_mode={plan_mode}"
+            assert (jit, idle, prepared) == ("on", "0", 0), f"backend {pid}"
+    with connect(dsn, autocommit=True) as conn:
+        assert_invariants(conn)
+
+
+def test_pooler__cli_enqueue_cancel_and_wait_through_pgbouncer(
+        dsn: str, bouncer: Bouncer) -> None:
+    env = pool_env(bouncer.dsn(dsn), listen_dsn=dsn)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "runpool", *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+
+    enqueued = cli("enqueue", "t1", "noop", "--input", '{"a": 1}')
+    assert enqueued.returncode == 0, enqueued.stderr
+    run_id = uuid.UUID(enqueued.stdout.strip())
+    cancelled = cli("cancel", str(run_id), "--reason", "not needed")
+    assert cancelled.returncode == 0, cancelled.stderr
+    # wait LISTENs: it takes the direct DSN (through the pooler it could miss its notice).
+    waited = cli("wait", str(run_id), "--timeout", "10", "--json")
+    assert waited.returncode != 3, waited.stderr
+    assert '"cancelled"' in waited.stdout
+    # None of the commands left a session setting on the pooler's server connections.
+    for _setting, _plan_mode, jit, _idle, prepared, pid in _leftovers(bouncer, bouncer.dsn(dsn)):
+        assert (jit, prepared) == ("on", 0), f"backend {pid}"
+
+
+def test_pooler__a_database_not_read_committed_by_default_is_refused_at_start(
+        dsn: str, bouncer: Bouncer) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute(psycopg.sql.SQL(
+            "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'"
+        ).format(psycopg.sql.Identifier(database_name(dsn))))
+
+    async def start() -> None:
+        pool = runpool.Pool(test_app, dsn=bouncer.dsn(dsn), listen_dsn=dsn)
+        await pool.start()
+
+    with pytest.raises(runpool.UsageError, match="default_transaction_isolation"):
+        asyncio.run(start())
+    with connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM runpool.workers").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(("settings", "field"), [
+    ({"listen_dsn": "host=a port=notaport ="}, "listen_dsn"),
+    ({"workers": 4, "host_connections": 11}, "host_connections"),
+])
+def test_settings__bad_pooler_settings_name_their_field(settings: dict[str, Any],
+                                                        field: str) -> None:
+    with pytest.raises(runpool.InvalidInput, match=field):
+        runpool.Settings(**settings)
+
+
+def test_settings__host_connections_are_shared_evenly_across_workers() -> None:
+    s = runpool.Settings(workers=4, host_connections=40, concurrency=50)
+    # Each worker: 9 pooled + 1 heartbeat; 4 of them: the host's 40.
+    assert s.connections == 9
+    assert s.workers * (s.connections + 1) == 40
