@@ -82,6 +82,12 @@ class _Peak:
         self._thread.join(10)
 
 
+def _one(conn: psycopg.Connection[Any], query: str, params: Any = None) -> Any:
+    row = conn.execute(query, params).fetchone()
+    assert row is not None
+    return row[0]
+
+
 def _leftovers(bouncer: Bouncer, pooled: str) -> list[tuple[Any, ...]]:
     """What every server connection of the pooler carries: POOL_SIZE clients each holding a
     transaction open are handed every server connection there is."""
@@ -111,26 +117,26 @@ def test_pooler__runs_enqueues_and_cancels_go_through_pgbouncer_in_transaction_m
             # W1's path: a bulk enqueue through the pooler, drained.
             ids = runpool.enqueue_many(api, [runpool.RunSpec("t1", "noop", {"i": i})
                                              for i in range(200)])
-            wait_for(lambda: api.execute(
-                "SELECT count(*) = 200 FROM runpool.runs WHERE status = 'succeeded'"
-                " AND id = ANY(%s)", (ids,)).fetchone()[0], timeout=60, what="200 runs done")
+            wait_for(lambda: _one(
+                api, "SELECT count(*) = 200 FROM runpool.runs WHERE status = 'succeeded'"
+                " AND id = ANY(%s)", (ids,)), timeout=60, what="200 runs done")
             # W2's path: runs enqueued one at a time start on the doorbell, not on a poll.
             for i in range(5):
                 run_id = runpool.enqueue(api, "t2", "noop", {"i": i})
-                wait_for(lambda rid=run_id: api.execute(
-                    "SELECT status = 'succeeded' FROM runpool.runs WHERE id = %s",
-                    (rid,)).fetchone()[0], timeout=10, what=f"run {i} started by a wake-up")
+                wait_for(lambda rid=run_id: _one(  # type: ignore[misc]
+                    api, "SELECT status = 'succeeded' FROM runpool.runs WHERE id = %s",
+                    (rid,)), timeout=10, what=f"run {i} started by a wake-up")
             # W9's path: a cancel through the pooler reaches the handlers by notice.
             holds = [runpool.enqueue(api, "t3", "hold", {}) for _ in range(4)]
-            wait_for(lambda: api.execute(
-                "SELECT count(*) = 4 FROM runpool.runs WHERE status = 'running'"
-                " AND id = ANY(%s)", (holds,)).fetchone()[0], timeout=10, what="holds running")
+            wait_for(lambda: _one(
+                api, "SELECT count(*) = 4 FROM runpool.runs WHERE status = 'running'"
+                " AND id = ANY(%s)", (holds,)), timeout=10, what="holds running")
             for run_id in holds:
                 assert api.execute("SELECT runpool.cancel_run(%s, 'test')",
                                    (run_id,)).fetchone() is not None
-            wait_for(lambda: api.execute(
-                "SELECT count(*) = 4 FROM runpool.runs WHERE status = 'cancelled'"
-                " AND id = ANY(%s)", (holds,)).fetchone()[0], timeout=10, what="cancelled")
+            wait_for(lambda: _one(
+                api, "SELECT count(*) = 4 FROM runpool.runs WHERE status = 'cancelled'"
+                " AND id = ANY(%s)", (holds,)), timeout=10, what="cancelled")
             assert "listen_lost" not in pool.log()
         assert peak.samples > 10
         assert peak.pooled <= POOL_SIZE, f"{peak.pooled} server connections through the pooler"
