@@ -26,6 +26,7 @@ from .errors import DatabaseTimeout, InvalidInput, UsageError
 
 __all__ = [
     "again",
+    "application_name",
     "bounded",
     "check_stateless",
     "configure",
@@ -112,6 +113,12 @@ SELECT set_config('default_transaction_isolation', 'read committed', false),
 """
 
 
+def application_name(role: str) -> str:
+    """`role@host`: what a runpool connection is called in pg_stat_activity (`status` counts
+    connections per host by it). PostgreSQL keeps the first 63 bytes."""
+    return f"{role}@{socket.gethostname()}"[:63]
+
+
 def dumps(value: Any) -> bytes:
     """Serialise a JSON value, refusing what PostgreSQL's jsonb cannot store."""
     try:
@@ -193,9 +200,12 @@ def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False
     return conn
 
 
-async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = False
-                   ) -> psycopg.AsyncConnection[Any]:
-    extra = STATELESS_OPTIONS if stateless else {}
+async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
+                   name: str | None = None) -> psycopg.AsyncConnection[Any]:
+    """An async runpool connection; `name`: its application_name, unless the DSN has one."""
+    extra = dict(STATELESS_OPTIONS if stateless else {})
+    if name is not None and "application_name" not in conninfo_to_dict(dsn):
+        extra["application_name"] = name
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **_options(dsn), **extra)
     configure(conn)
     if stateless:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .db import bounded, open_pool
+from .db import application_name, bounded, open_pool
 from .queries import QUERIES
 from .settings import Settings
 from .slot import Slot, Slots, StopReason
@@ -76,9 +76,10 @@ class LeaseKeeper:
     async def heartbeat_loop(self) -> None:
         # A connection of its own: with every pooled connection busy writing checkpoints (or
         # waiting for one), a heartbeat queued behind them would cost leases.
-        beat_pool = await open_pool(self._dsn, size=1, name=f"runpool-beat-{os.getpid()}",
-                                    connect_timeout=max(2, int(self._settings.heartbeat_seconds)),
-                                    stateless=self._settings.stateless)
+        beat_pool = await open_pool(
+            self._dsn, size=1, name=application_name(f"runpool-beat-{os.getpid()}"),
+            connect_timeout=max(2, int(self._settings.heartbeat_seconds)),
+            stateless=self._settings.stateless)
         try:
             interval = self._settings.heartbeat_seconds
             while True:

@@ -12,9 +12,9 @@ from typing import Final
 
 import psycopg
 
-from .db import aconnect
+from .db import aconnect, application_name
 
-__all__ = ["CANCEL", "SCHEDULES", "WAKEUP", "ClaimBudget", "Listener"]
+__all__ = ["CANCEL", "LISTEN_NAME", "SCHEDULES", "WAKEUP", "ClaimBudget", "Listener"]
 
 logger = logging.getLogger("runpool.listener")
 
@@ -27,6 +27,8 @@ SCHEDULES: Final = "runpool_schedules"
 # otherwise close it every few seconds, and each reconnect loses the notices sent meanwhile.
 LISTEN: Final = ("LISTEN runpool_wakeup; LISTEN runpool_cancel; LISTEN runpool_schedules;"
                  " SET idle_session_timeout = 0")
+# The LISTEN connection's application_name, before "@host" (unless its DSN names it).
+LISTEN_NAME: Final = "runpool-listen"
 # Seconds between two log lines about ignored (malformed) cancel notices.
 NOISE_LOG_SECONDS: Final = 10.0
 
@@ -73,7 +75,8 @@ class Listener:
 
     After each (re)connect it sets `wake` too, because notifications sent while it was away are
     lost: the worker then claims once to catch up (and, after a reconnect, `on_schedules()`:
-    the scheduler looks again).
+    the scheduler looks again); `on_connect()` is told of every connect (the relay's workers
+    must catch up after a relay of their host restarted, too).
     """
 
     def __init__(
@@ -84,8 +87,10 @@ class Listener:
         *,
         worker_id: uuid.UUID,
         on_schedules: Callable[[], None] | None = None,
+        on_connect: Callable[[], None] | None = None,
     ) -> None:
         self._dsn = dsn
+        self._on_connect = on_connect
         self._wake = wake
         self._on_cancel = on_cancel
         self._on_schedules = on_schedules
@@ -101,7 +106,8 @@ class Listener:
         delay = 0.1
         while True:
             try:
-                conn = await aconnect(self._dsn, autocommit=True)
+                conn = await aconnect(self._dsn, autocommit=True,
+                                      name=application_name(LISTEN_NAME))
             except psycopg.OperationalError as exc:
                 logger.warning(
                     "listen connection failed: %s", exc,
@@ -119,6 +125,8 @@ class Listener:
                     self._wake.set()
                     if self.reconnects and self._on_schedules is not None:
                         self._on_schedules()
+                    if self._on_connect is not None:
+                        self._on_connect()
                     async for notice in conn.notifies():
                         self._dispatch(notice.channel, notice.payload)
             except psycopg.OperationalError as exc:

@@ -40,11 +40,13 @@ class Pool:
     `app` is a runpool.App or its `module:attribute` path. `settings` (a Settings) and keyword
     `options` (any Settings field: lease_seconds, poll_seconds, grace_seconds, listen, ...)
     tune it; the environment (RUNPOOL_*) is not read: the host application configures it.
+    `notices_fd` is for `python -m runpool`'s workers: the worker end of the host's notice
+    relay (runpool.relay), read instead of a LISTEN connection of the pool's own.
     """
 
     def __init__(self, app: App | str, *, dsn: str, concurrency: int | None = None,
                  settings: Settings | None = None, tracer_provider: Any = None,
-                 **options: Any) -> None:
+                 notices_fd: int | None = None, **options: Any) -> None:
         unknown = sorted(set(options) - _OPTIONS)
         if unknown:
             raise InvalidInput(f"unknown Pool option(s) {unknown}; known: {sorted(_OPTIONS)}")
@@ -56,7 +58,8 @@ class Pool:
         self.settings = replace(base, dsn=dsn, **options)
         self.app = app if isinstance(app, App) else load_app(app)
         self.app.schedules  # noqa: B018 (InvalidInput now for a schedule without its handler)
-        self._worker = Worker(self.settings, self.app, dsn, tracer_provider=tracer_provider)
+        self._worker = Worker(self.settings, self.app, dsn, tracer_provider=tracer_provider,
+                              notices_fd=notices_fd)
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

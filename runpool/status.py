@@ -63,6 +63,20 @@ FROM runpool.workers w
 WHERE w.stopped_at IS NULL AND w.last_seen_at > now() - interval '2 minutes'
 ORDER BY w.started_at
 """
+# runpool's connections to this database per host, as the server sees them (the names come
+# from runpool.db.application_name). Behind a pooler the work connections are the pooler's
+# server connections, each named after the client that used it last.
+CONNECTIONS: Final = """
+SELECT split_part(application_name, '@', 2) AS host,
+       count(*) FILTER (WHERE application_name LIKE 'runpool-listen@%%') AS listen,
+       count(*) FILTER (WHERE application_name LIKE 'runpool-beat-%%') AS heartbeat,
+       count(*) FILTER (WHERE application_name NOT LIKE 'runpool-listen@%%'
+                          AND application_name NOT LIKE 'runpool-beat-%%') AS work,
+       count(*) AS total
+FROM pg_stat_activity
+WHERE datname = current_database() AND application_name LIKE 'runpool-%%@%%'
+GROUP BY 1 ORDER BY 1
+"""
 # Serial keys with the longest line of waiting runs.
 SERIAL_BACKLOG: Final = """
 SELECT tenant, serial_key, count(*) AS waiting FROM runpool.runs WHERE held
@@ -131,6 +145,7 @@ def collect(conn: psycopg.Connection[Any], *, window_seconds: float = 3600,
         "latency": {"window_s": window_seconds, "finished_runs": latency["runs"],
                     **percentiles},
         "workers": _rows(conn, WORKERS),
+        "connections": _rows(conn, CONNECTIONS),
         "serial_backlog": _rows(conn, SERIAL_BACKLOG),
         "usage": _usage(conn, window_seconds),
     }
@@ -189,6 +204,10 @@ def render(report: dict[str, Any]) -> str:
     for w in report["workers"]:
         out.append(f"  {w['id']}  {w['host']}:{w['pid']}  running {w['running']}"
                    f"/{w['concurrency']}  last seen {w['last_seen_at']}")
+    if report["connections"]:
+        out += ["", "runpool connections by host (listen + heartbeat + work = total):"]
+        out += [f"  {c['host'][:40]:<40} {c['listen']} + {c['heartbeat']} + {c['work']}"
+                f" = {c['total']}" for c in report["connections"]]
     return "\n".join(out)
 
 

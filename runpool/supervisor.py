@@ -6,6 +6,10 @@ also takes SIGTERM directly: the first drains, the second stops it at once. Work
 SIGINT, since a terminal's Ctrl-C reaches the whole process group and only the supervisor's
 relay should count. The supervisor opens no database connection and starts no thread before
 it forks.
+
+One LISTEN connection serves the whole host: with LISTEN on, the supervisor also forks a
+listener process (runpool.relay) that passes every notice on to the workers over a socket pair
+each; it is restarted like a worker, and stopped last, so draining workers still hear cancels.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .app import App, load_app
 from .errors import SchemaOutOfDate, UsageError, WorkerFailed
 from .exits import EXIT_CONFIG, EXIT_ORPHANED, EXIT_STUCK
 from .pool import Pool
+from .relay import pair, run_relay_process
 from .settings import Settings
 
 __all__ = ["Supervisor", "load_app", "run_worker_process"]
@@ -43,21 +48,24 @@ def _exit_orphan() -> None:
     os._exit(EXIT_ORPHANED)
 
 
-def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> int:
-    """The body of one worker process; returns its exit code."""
+def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | None,
+                       notices_fd: int | None = None) -> int:
+    """The body of one worker process; returns its exit code. `notices_fd`: its end of the
+    host's notice relay (None: a LISTEN connection of its own, if listening)."""
     try:
-        return asyncio.run(_worker_async(settings, dsn, app, parent_fd))
+        return asyncio.run(_worker_async(settings, dsn, app, parent_fd, notices_fd))
     except (SchemaOutOfDate, UsageError) as exc:
         logger.error("%s", exc, extra={"action": "schema_out_of_date"})
         return EXIT_CONFIG
 
 
-async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int | None) -> int:
+async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int | None,
+                        notices_fd: int | None) -> int:
     """A worker process is a runpool.Pool behind this process's signals: the first SIGTERM
     drains, the second (or SIGUSR1, the supervisor's relay) releases in-flight runs at once.
     Returns the process's exit code."""
     loop = asyncio.get_running_loop()
-    pool = Pool(app, dsn=dsn, settings=settings)
+    pool = Pool(app, dsn=dsn, settings=settings, notices_fd=notices_fd)
     terms = 0
 
     def on_term() -> None:
@@ -104,6 +112,10 @@ class _Child:
     crashes: int = 0
 
 
+# The listener process's index among the supervisor's children (workers count from 0).
+LISTENER = -1
+
+
 class Supervisor:
     def __init__(self, settings: Settings, dsn: str, app: App) -> None:
         self.settings = settings
@@ -113,9 +125,26 @@ class Supervisor:
         self._children: dict[int, _Child] = {}
         self._restart_at: dict[int, tuple[float, int]] = {}
         self._read_fd, self._write_fd = os.pipe()
+        # Per worker index: (the listener's end, the worker's end). Both stay open here for
+        # the supervisor's life, so a restarted worker or listener finds its peer's end.
+        self._pairs = [pair() for _ in range(settings.workers)] if settings.listen else []
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals += 1
+
+    def _child_body(self, index: int) -> int:
+        """What the forked child `index` runs: the listener, or a worker."""
+        if index == LISTENER:
+            for _, worker_end in self._pairs:
+                worker_end.close()
+            return run_relay_process(self.settings.listen_dsn or self.dsn,
+                                     [ends[0] for ends in self._pairs], self._read_fd)
+        for i, (listener_end, worker_end) in enumerate(self._pairs):
+            listener_end.close()
+            if i != index:
+                worker_end.close()
+        notices = self._pairs[index][1].fileno() if self._pairs else None
+        return run_worker_process(self.settings, self.dsn, self.app, self._read_fd, notices)
 
     def _spawn(self, index: int, crashes: int = 0) -> None:
         sys.stdout.flush()
@@ -127,7 +156,7 @@ class Supervisor:
                 os.close(self._write_fd)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                code = run_worker_process(self.settings, self.dsn, self.app, self._read_fd)
+                code = self._child_body(index)
             except BaseException:
                 logger.exception("worker crashed", extra={"action": "worker_crashed"})
             finally:
@@ -135,11 +164,18 @@ class Supervisor:
                 sys.stderr.flush()
                 os._exit(code)
         self._children[pid] = _Child(index, pid, time.monotonic(), crashes)
-        logger.info("started worker %d (pid %d)", index, pid, extra={"action": "worker_spawned"})
+        if index == LISTENER:
+            logger.info("started the host's listener (pid %d)", pid,
+                        extra={"action": "listener_spawned"})
+        else:
+            logger.info("started worker %d (pid %d)", index, pid,
+                        extra={"action": "worker_spawned"})
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if self._pairs:
+            self._spawn(LISTENER)
         for index in range(self.settings.workers):
             self._spawn(index)
         seen = 0
@@ -160,7 +196,10 @@ class Supervisor:
                     logger.info("stopping now", extra={"action": "stop_now"})
                 seen = self._signals
             if stop_deadline is not None and time.monotonic() > stop_deadline:
-                self._relay(signal.SIGKILL)
+                self._relay(signal.SIGKILL, listener=True)
+            if self._signals and all(c.index == LISTENER for c in self._children.values()):
+                # The workers are gone: nobody needs the notices any more.
+                self._relay(signal.SIGTERM, listener=True)
             code = self._reap_children(restart=stop_deadline is None)
             if code is not None:
                 exit_code = code
@@ -171,8 +210,11 @@ class Supervisor:
         os.close(self._write_fd)
         return exit_code
 
-    def _relay(self, signum: int) -> None:
-        for pid in list(self._children):
+    def _relay(self, signum: int, *, listener: bool = False) -> None:
+        """Send `signum` to the workers (and the listener process too, if `listener`)."""
+        for pid, child in list(self._children.items()):
+            if child.index == LISTENER and not listener:
+                continue
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
@@ -208,8 +250,9 @@ class Supervisor:
                 crashes = 0 if lived > 10 else child.crashes + 1
                 delay = min(0.5 * 2 ** (crashes - 1), 30.0) if crashes else 0.5
                 logger.warning(
-                    "worker %d (pid %d) exited with %d after %.1fs; restarting in %.1fs",
-                    child.index, pid, code, lived, delay, extra={"action": "worker_exited"},
+                    "%s (pid %d) exited with %d after %.1fs; restarting in %.1fs",
+                    "the listener" if child.index == LISTENER else f"worker {child.index}",
+                    pid, code, lived, delay, extra={"action": "worker_exited"},
                 )
                 self._restart_at[child.index] = (time.monotonic() + delay, crashes)
         return worst

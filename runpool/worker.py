@@ -25,7 +25,7 @@ from . import telemetry
 from .app import App
 from .cancellation import Canceller
 from .claiming import ClaimedRun, claim, claim_statements
-from .db import bounded, open_pool
+from .db import application_name, bounded, open_pool
 from .errors import WorkerFailed
 from .exits import EXIT_STUCK
 from .leases import Cadence, LeaseKeeper
@@ -33,6 +33,7 @@ from .listener import ClaimBudget, Listener
 from .outcomes import OutcomeWriter
 from .progress import Publisher
 from .queries import QUERIES
+from .relay import RelayReader
 from .runner import SlotRunner
 from .scheduler import Scheduler, upsert_schedules
 from .settings import Settings
@@ -52,8 +53,11 @@ class Worker:
     drains when told to stop. Its parts see it only through the callables it hands them."""
 
     def __init__(self, settings: Settings, app: App, dsn: str, *,
-                 tracer_provider: Any = None) -> None:
+                 tracer_provider: Any = None, notices_fd: int | None = None) -> None:
         self.id = uuid.uuid4()
+        # The worker end of the host's notice relay (see runpool.relay); None: a LISTEN
+        # connection of its own.
+        self._notices_fd = notices_fd
         # None: the global provider, if its host installed one (see telemetry).
         self.tracer_provider = tracer_provider
         # Set once the worker is registered and claiming (what an embedded Pool waits for).
@@ -79,7 +83,7 @@ class Worker:
         self._side_failure: BaseException | None = None
         self._stop: asyncio.Event | None = None
         self._reserved = 0
-        self.listener: Listener | None = None
+        self.listener: Listener | RelayReader | None = None
         self.scheduler: Scheduler | None = None
         self._claim_budget = ClaimBudget()
         self._log = {"worker_id": str(self.id)}
@@ -95,8 +99,9 @@ class Worker:
         """Work until `stop` (drain: finish or release in-flight runs) or `abort` (release now)."""
         s = self.settings
         telemetry.activate(self.tracer_provider)
-        self._pool = await open_pool(self.dsn, size=s.connections, name=f"runpool-{os.getpid()}",
-                                     stateless=s.stateless)
+        self._pool = await open_pool(
+            self.dsn, size=s.connections, name=application_name(f"runpool-{os.getpid()}"),
+            stateless=s.stateless)
         side: list[asyncio.Task[None]] = []
         try:
             await self._register()
@@ -120,7 +125,12 @@ class Worker:
             side.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
-            if s.listen:
+            if s.listen and self._notices_fd is not None:
+                self.listener = RelayReader(
+                    self._notices_fd, self._attention, self.cancels.on_notice,
+                    worker_id=self.id, on_schedules=self.scheduler.poke)
+                side.append(asyncio.create_task(self.listener.run(), name="relay-reader"))
+            elif s.listen:
                 self.listener = Listener(
                     s.listen_dsn or self.dsn, self._attention, self.cancels.on_notice,
                     worker_id=self.id,

@@ -15,17 +15,16 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import runpool
 from runpool.db import connect
+from runpool.listener import LISTEN_NAME
 from runpool.testing import database_name
 from tests.apps import app as test_app
 from tests.helpers import ROOT, assert_invariants, pool_env, running_pool, wait_for
 from tests.pgbouncer import Bouncer, pgbouncer
 
 POOL_SIZE = 3
-LISTEN_NAME = "runpool-listen"
 # Settings a runpool session would leave behind on a server connection it did not own.
 LEFTOVERS = """
 SELECT current_setting('runpool.session', true), current_setting('plan_cache_mode'),
@@ -38,12 +37,6 @@ SELECT count(*) FILTER (WHERE application_name <> %(listen)s),
        count(*) FILTER (WHERE application_name = %(listen)s)
 FROM pg_stat_activity WHERE datname = %(db)s AND pid <> pg_backend_pid()
 """
-
-
-def _named(dsn: str, name: str) -> str:
-    params = conninfo_to_dict(dsn)
-    params["application_name"] = name
-    return make_conninfo(**params)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -107,13 +100,12 @@ def _leftovers(bouncer: Bouncer, pooled: str) -> list[tuple[Any, ...]]:
 def test_pooler__runs_enqueues_and_cancels_go_through_pgbouncer_in_transaction_mode(
         dsn: str, bouncer: Bouncer) -> None:
     pooled = bouncer.dsn(dsn)
-    direct = _named(dsn, LISTEN_NAME)
     with connect(pooled, autocommit=True, stateless=True) as api, _Peak(dsn) as peak:
         # 2 workers x (5 pooled + 1 heartbeat) client connections over 3 server connections;
         # polls and heartbeats far apart, so only wake-ups and notices can be quick.
         with running_pool(pooled, workers=2, concurrency=8, poll_seconds=60,
-                          lease_seconds=120, listen_dsn=direct) as pool:
-            wait_for(lambda: peak.listening == 2, what="one LISTEN connection per worker")
+                          lease_seconds=120, listen_dsn=dsn) as pool:
+            wait_for(lambda: peak.listening == 1, what="one LISTEN connection for the host")
             # W1's path: a bulk enqueue through the pooler, drained.
             ids = runpool.enqueue_many(api, [runpool.RunSpec("t1", "noop", {"i": i})
                                              for i in range(200)])
@@ -140,7 +132,7 @@ def test_pooler__runs_enqueues_and_cancels_go_through_pgbouncer_in_transaction_m
             assert "listen_lost" not in pool.log()
         assert peak.samples > 10
         assert peak.pooled <= POOL_SIZE, f"{peak.pooled} server connections through the pooler"
-        assert peak.listening == 2
+        assert peak.listening == 1
         # No server connection carries a runpool session's settings or prepared statements.
         for setting, plan_mode, jit, idle, prepared, pid in _leftovers(bouncer, pooled):
             assert setting in (None, ""), f"backend {pid}: runpool.session={setting!r}"

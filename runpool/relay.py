@@ -1,0 +1,140 @@
+"""One LISTEN connection per host: the supervisor forks a relay process that listens for
+every worker process of the host and passes each doorbell, cancel notice and schedule notice on
+to them over a datagram socket pair per worker.
+
+Datagrams are 1 byte (W: wake, S: schedules changed) or 17 (C + the run id's 16 bytes); the
+relay has checked the cancel payload is a run id, so a worker parses nothing it could choke
+on. A worker that does not read its socket (stopped, or restarting) must not hold the relay
+up: datagrams that do not fit are dropped, which costs nothing a worker cannot recover (a
+dropped wake-up is folded into the ones still queued; a dropped cancel notice is caught by the
+next heartbeat, which reads the cancel flags of every run it renews).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Final
+
+from .listener import Listener
+
+__all__ = ["RelayReader", "pair", "run_relay_process"]
+
+logger = logging.getLogger("runpool.relay")
+
+WAKE: Final = b"W"
+SCHEDULES: Final = b"S"
+CANCEL: Final = b"C"
+# The relay's id on its log lines (a relay is no worker; this marks whose line it is).
+RELAY_ID: Final = uuid.UUID(int=0)
+
+
+def pair() -> tuple[socket.socket, socket.socket]:
+    """(the relay's end, a worker's end): non-blocking sends, so a slow worker is skipped."""
+    relay_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    relay_end.setblocking(False)
+    return relay_end, worker_end
+
+
+class _Fanout:
+    def __init__(self, ends: list[socket.socket]) -> None:
+        self._ends = ends
+        self.dropped = 0
+
+    def send(self, message: bytes) -> None:
+        for end in self._ends:
+            try:
+                end.send(message)
+            except (BlockingIOError, ConnectionError, OSError):
+                self.dropped += 1
+
+
+def run_relay_process(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None) -> int:
+    """The body of the relay process; returns its exit code."""
+    return asyncio.run(_relay(listen_dsn, ends, parent_fd))
+
+
+async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None) -> int:
+    loop = asyncio.get_running_loop()
+    fanout = _Fanout(ends)
+    wake = asyncio.Event()
+    done = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, done.set)
+    loop.add_signal_handler(signal.SIGUSR1, done.set)
+    if parent_fd is not None:
+        loop.add_reader(parent_fd, done.set)  # EOF: the supervisor is gone
+    listener = Listener(
+        listen_dsn, wake, lambda run_id: fanout.send(CANCEL + run_id.bytes),
+        worker_id=RELAY_ID, on_schedules=lambda: fanout.send(SCHEDULES),
+        on_connect=lambda: fanout.send(SCHEDULES))
+
+    async def wakes() -> None:
+        # Wake-ups that arrive while one is being sent fold into the next: each worker claims
+        # what there is, however many doorbells rang.
+        while True:
+            await wake.wait()
+            wake.clear()
+            fanout.send(WAKE)
+
+    tasks = [asyncio.create_task(listener.run(), name="relay-listener"),
+             asyncio.create_task(wakes(), name="relay-wakes")]
+    logger.info("relaying notices to %d workers", len(ends),
+                extra={"action": "relay_started", "pid": os.getpid()})
+    stopper = asyncio.ensure_future(done.wait())
+    finished, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    for task in [*tasks, stopper]:
+        task.cancel()
+    await asyncio.gather(*tasks, stopper, return_exceptions=True)
+    failed = [t for t in finished if t is not stopper and not t.cancelled() and t.exception()]
+    for task in failed:
+        logger.error("relay task %s failed: %r", task.get_name(), task.exception(),
+                     extra={"action": "relay_failed"})
+    logger.info("relay stopped (%d datagrams dropped)", fanout.dropped,
+                extra={"action": "relay_stopped", "dropped": fanout.dropped})
+    return 1 if failed else 0
+
+
+class RelayReader:
+    """A worker's side of the relay: what a Listener would do with the notices it reads,
+    from the worker's end of its socket pair (`fd`, inherited from the supervisor)."""
+
+    def __init__(self, fd: int, wake: asyncio.Event, on_cancel: Callable[[uuid.UUID], None],
+                 *, worker_id: uuid.UUID, on_schedules: Callable[[], None] | None = None
+                 ) -> None:
+        self._fd = fd
+        self._wake = wake
+        self._on_cancel = on_cancel
+        self._on_schedules = on_schedules
+        self._log = {"worker_id": str(worker_id)}
+        # Set once reading (what a Listener sets once listening).
+        self.connected = asyncio.Event()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        # A duplicate: closing it leaves the inherited descriptor to a restarted worker's peer.
+        with socket.socket(fileno=os.dup(self._fd)) as sock:
+            sock.setblocking(False)
+            self.connected.set()
+            while True:
+                data = await loop.sock_recv(sock, 64)
+                self._dispatch(data)
+
+    def _dispatch(self, data: bytes) -> None:
+        kind = data[:1]
+        if kind == WAKE:
+            self._wake.set()
+        elif kind == SCHEDULES:
+            # The relay (re)connected or a schedule changed: notices may have been missed.
+            self._wake.set()
+            if self._on_schedules is not None:
+                self._on_schedules()
+        elif kind == CANCEL and len(data) == 17:
+            self._on_cancel(uuid.UUID(bytes=data[1:]))
+        else:  # only the relay writes here; log, never fail, on what it cannot have sent
+            logger.warning("ignoring an unknown relay datagram %r", data[:20],
+                           extra={"action": "relay_datagram_ignored", **self._log})

@@ -1,0 +1,85 @@
+"""The connection budget of a host (issue 19): one LISTEN connection for all of a host's
+worker processes (the supervisor's listener process relays notices to them), and a cap on
+the host's work connections, shared evenly; `status` counts them per host."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+from typing import Any
+
+import psycopg
+
+import runpool
+from runpool.status import collect, render
+from tests.helpers import running_pool, scalar, wait_for
+
+LISTENERS = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND query LIKE 'LISTEN runpool_wakeup%%'
+"""
+# runpool's connections to this database (the test's own are not named runpool-...).
+RUNPOOL_CONNECTIONS = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name LIKE 'runpool-%%'
+"""
+
+
+def _count(conn: psycopg.Connection[Any], ids: list[Any], status: str) -> int:
+    return int(scalar(conn, "SELECT count(*) FROM runpool.runs WHERE id = ANY(%s)"
+                            " AND status = %s", ids, status))
+
+
+def test_budget__one_listen_connection_per_host_wakes_and_cancels_every_worker(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # 3 workers, 9 connections for the host: 2 pooled + 1 heartbeat each, and 1 LISTEN.
+    # Polls and heartbeats far apart: only relayed wake-ups and notices can be quick.
+    with running_pool(dsn, workers=3, concurrency=2, host_connections=9, poll_seconds=60,
+                      lease_seconds=120) as pool:
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.workers"
+                                      " WHERE stopped_at IS NULL") == 3, what="3 workers")
+        wait_for(lambda: scalar(conn, LISTENERS) == 1, what="the host's LISTEN connection")
+        holds = []
+        for _ in range(6):  # one at a time: each start is a wake-up's doing
+            holds.append(runpool.enqueue(conn, "acme", "hold", {}))
+        wait_for(lambda: _count(conn, holds, "running") == 6, timeout=10,
+                 what="6 runs started by relayed wake-ups")
+        # 2 slots per worker: every worker heard the doorbells.
+        assert scalar(conn, "SELECT count(DISTINCT worker_id) FROM runpool.runs"
+                            " WHERE id = ANY(%s)", holds) == 3
+        report = collect(conn)
+        assert report["connections"] == [{
+            "host": socket.gethostname(), "listen": 1, "heartbeat": 3, "work": 6, "total": 10}]
+        assert "1 + 3 + 6 = 10" in render(report)
+        assert scalar(conn, RUNPOOL_CONNECTIONS) == 10
+        for run_id in holds:
+            conn.execute("SELECT runpool.cancel_run(%s, 'test')", (run_id,))
+        wait_for(lambda: _count(conn, holds, "cancelled") == 6, timeout=10,
+                 what="cancels relayed to every worker")
+        assert scalar(conn, LISTENERS) == 1
+        assert "action=listen_lost" not in pool.log()
+
+
+def test_budget__a_killed_listener_process_is_restarted_and_its_workers_catch_up(
+        conn: psycopg.Connection, dsn: str) -> None:
+    with running_pool(dsn, workers=2, concurrency=2, poll_seconds=60, lease_seconds=120) as pool:
+        wait_for(lambda: scalar(conn, LISTENERS) == 1, what="the host's LISTEN connection")
+        # Both workers made their first claim (at start) and now wait for doorbells.
+        wait_for(lambda: pool.log().count("action=worker_started") == 2, what="2 workers")
+        workers = set(pool.workers())
+        found = re.findall(r"started the host's listener \(pid (\d+)\)", pool.log())
+        listener = int(found[-1])
+        os.kill(listener, signal.SIGKILL)
+        # Enqueued while nobody listens: its doorbell is lost; the new listener's first
+        # connect tells the workers to claim.
+        run_id = runpool.enqueue(conn, "acme", "noop", {})
+        wait_for(lambda: scalar(conn, "SELECT status FROM runpool.runs WHERE id = %s",
+                                run_id) == "succeeded", timeout=15,
+                 what="the run enqueued while the listener was down")
+        found = re.findall(r"started the host's listener \(pid (\d+)\)", pool.log())
+        assert len(found) == 2 and int(found[-1]) != listener
+        # The workers lived on.
+        assert workers - {listener} <= set(pool.workers())
+        wait_for(lambda: scalar(conn, LISTENERS) == 1, what="one LISTEN connection again")
