@@ -13,17 +13,19 @@ next heartbeat, which reads the cancel flags of every run it renews).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final
 
 from .listener import Listener
 
-__all__ = ["RelayReader", "pair", "run_relay_process"]
+__all__ = ["PROCESS_NAME", "RelayReader", "pair", "run_relay_process"]
 
 logger = logging.getLogger("runpool.relay")
 
@@ -54,8 +56,15 @@ class _Fanout:
                 self.dropped += 1
 
 
+# The relay process's name (Linux: ps, top and /proc/PID/comm show it), which tells it from the
+# workers forked from the same supervisor.
+PROCESS_NAME: Final = "runpool-listen"
+
+
 def run_relay_process(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None) -> int:
     """The body of the relay process; returns its exit code."""
+    with contextlib.suppress(OSError):  # not Linux: the name is only a convenience
+        Path("/proc/self/comm").write_text(PROCESS_NAME)
     return asyncio.run(_relay(listen_dsn, ends, parent_fd))
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .databases import database_name, scratch_database, with_database
 from .invariants import EXECUTIONS_DDL, Report, Watch, check, record_execution
-from .pools import PoolProcess, pool_env, running_pool, wait_for, worker_pids
+from .pools import PoolProcess, listener_pid, pool_env, running_pool, wait_for, worker_pids
 from .proxy import Proxy
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Watch",
     "check",
     "database_name",
+    "listener_pid",
     "pool_env",
     "record_execution",
     "running_pool",

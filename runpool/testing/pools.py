@@ -17,7 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-__all__ = ["PoolProcess", "pool_env", "running_pool", "wait_for", "worker_pids"]
+from ..relay import PROCESS_NAME as LISTENER_NAME
+
+__all__ = ["PoolProcess", "listener_pid", "pool_env", "running_pool", "wait_for", "worker_pids"]
 
 T = TypeVar("T")
 
@@ -36,10 +38,26 @@ def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float 
         time.sleep(interval)
 
 
-def worker_pids(supervisor_pid: int) -> list[int]:
-    """The supervisor's live children: its worker processes (Linux /proc)."""
+def _children(supervisor_pid: int) -> list[int]:
     children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children")
     return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+
+def _is_listener(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == LISTENER_NAME
+    except OSError:  # gone already
+        return False
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    """The supervisor's live worker processes (Linux /proc): its children but the listener."""
+    return [p for p in _children(supervisor_pid) if not _is_listener(p)]
+
+
+def listener_pid(supervisor_pid: int) -> int | None:
+    """The supervisor's listener process (the host's one LISTEN connection), if running."""
+    return next((p for p in _children(supervisor_pid) if _is_listener(p)), None)
 
 
 def pool_env(dsn: str, *, inherit_otel: bool = True, pythonpath: str | None = None,
@@ -67,6 +85,9 @@ class PoolProcess(subprocess.Popen[bytes]):
 
     def workers(self) -> list[int]:
         return worker_pids(self.pid)
+
+    def listener(self) -> int | None:
+        return listener_pid(self.pid)
 
 
 @contextmanager
