@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from runpool.db import connect
-from runpool.testing import EXECUTIONS_DDL, scratch_database
+from runpool.migrate import migrate
+from runpool.testing import EXECUTIONS_DDL, with_database
 from tests.pgbouncer import free_port
 from tests.system import require_program, require_root
 
@@ -137,14 +139,18 @@ def synchronous_pair() -> Iterator[tuple[Cluster, Cluster]]:
             shutil.rmtree(data, ignore_errors=True)
 
 
-@contextmanager
-def migrated_database(server_dsn: str) -> Iterator[str]:
-    """A migrated database with the test apps' side tables, on one of our clusters."""
-    with scratch_database(server_dsn, prefix="runpool_hosts") as dsn:
-        with connect(dsn, autocommit=True) as conn:
-            conn.execute(EXECUTIONS_DDL)
-            conn.execute("CREATE TABLE model_calls (run_id uuid, turn int, attempt int)")
-        yield dsn
+def migrated_database(server_dsn: str) -> str:
+    """A migrated database with the test apps' side tables, on one of our clusters (thrown
+    away with its cluster: nothing to drop)."""
+    name = f"runpool_hosts_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dsn = with_database(server_dsn, name)
+    with connect(dsn, autocommit=True) as conn:
+        migrate(conn)
+        conn.execute(EXECUTIONS_DDL)
+        conn.execute("CREATE TABLE model_calls (run_id uuid, turn int, attempt int)")
+    return dsn
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,8 @@ def _worker_ids(conn: psycopg.Connection[Any], supervisor: int) -> set[Any]:
 
 def test_partition__a_cut_off_hosts_runs_are_reclaimed_elsewhere_and_invariants_hold() -> None:
     with netns_hosts(2) as (a, b), \
-            cluster(addresses=("127.0.0.1", a.server_address, b.server_address)) as node, \
-            migrated_database(node.dsn()) as dsn:
+            cluster(addresses=("127.0.0.1", a.server_address, b.server_address)) as node:
+        dsn = migrated_database(node.dsn())
         dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
         dsn_a = with_database(node.dsn(host=a.server_address), str(dbname))
         dsn_b = with_database(node.dsn(host=b.server_address), str(dbname))
