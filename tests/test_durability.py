@@ -44,7 +44,8 @@ def _alter_database(conn: psycopg.Connection, setting: str, value: str) -> None:
 # The workers' idle pooled connections (the heartbeat's too), as a reaper sees them.
 IDLE_POOLED = """
 SELECT pid FROM pg_stat_activity WHERE datname = current_database()
-  AND application_name LIKE 'runpool-%%' AND state = 'idle'
+  AND application_name LIKE 'runpool-%%' AND application_name NOT LIKE 'runpool-listen@%%'
+  AND state = 'idle'
 """
 
 

@@ -1,5 +1,5 @@
-"""The benchmark workloads (W1-W13, W15; W14 is wait_bench's); `python -m runpool bench` runs
-them."""
+"""The benchmark workloads (W1-W16, Wcommits; W14 is wait_bench's, W1p, W16 and Wcommits
+host_workloads'); `python -m runpool bench` runs them."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..db import connect
 from ..enqueue import RunSpec, enqueue, enqueue_many
 from ..testing.databases import scratch_database
 from ..testing.pools import PoolProcess, running_pool
+from .host_workloads import w1p_pooler, w16_many_claimers
 from .live_workloads import w12_follow_latency, w13_progress_cost
 from .measure import (
     CLEAR_SNAPSHOT,
@@ -446,4 +447,6 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W12": w12_follow_latency,
     "W13": w13_progress_cost,
     "W15": w15_rate_limit,
+    "W1p": w1p_pooler,
+    "W16": w16_many_claimers,
 }

@@ -1,0 +1,146 @@
+"""The many-hosts workloads (issue 19): W1p, W1 through a transaction-mode PgBouncer; W16,
+many claimers (16 worker processes x 50 slots) against the W1 shape (2 x 10) on one database."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Final
+
+import psycopg
+
+from ..db import connect
+from ..enqueue import RunSpec, enqueue_many
+from ..testing.databases import database_name, scratch_database
+from ..testing.pgbouncer import pgbouncer
+from ..testing.pools import running_pool
+from .measure import COUNT_DONE, DRAIN_RATE, XACTS, wait_until
+
+__all__ = ["w1p_pooler", "w16_many_claimers"]
+
+BENCH_APP: Final = "runpool.harness.benchapp:app"
+# Backends of one database: waiting for a lock (a row, a transaction id, an advisory key), and
+# running a statement.
+WAITERS: Final = """
+SELECT count(*) FILTER (WHERE wait_event_type = 'Lock'),
+       count(*) FILTER (WHERE state = 'active')
+FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()
+"""
+BACKENDS: Final = "SELECT pid FROM pg_stat_activity WHERE datname = %s"
+TICKS: Final = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of live processes (Linux /proc), in seconds."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / TICKS
+
+
+def _enqueue(conn: psycopg.Connection[Any], runs: int) -> None:
+    specs = [RunSpec("tenant0", "noop") for _ in range(runs)]
+    for chunk in range(0, runs, 2000):
+        enqueue_many(conn, specs[chunk:chunk + 2000])
+    conn.commit()
+    conn.autocommit = True
+
+
+def w1p_pooler(server: str, *, runs: int = 20_000) -> dict[str, Any]:
+    """W1p: W1's drain (2 workers x 10) with RUNPOOL_DSN through PgBouncer in transaction mode
+    (as many server connections as the pool would hold directly: 2 x (6 + 1)) and LISTEN
+    direct: the price of stateless work connections (no prepared statements, no session
+    plan_cache_mode)."""
+    with scratch_database(server) as dsn, pgbouncer(server, pool_size=14) as bouncer, \
+            connect(dsn) as conn:
+        _enqueue(conn, runs)
+        with running_pool(bouncer.dsn(dsn), BENCH_APP, stop="drain", output="discard",
+                          workers=2, concurrency=10, listen_dsn=dsn):
+            wait_until(conn, COUNT_DONE, runs, timeout=900)
+        row = conn.execute(DRAIN_RATE).fetchone()
+        assert row is not None
+        return {"workload": "W1p", "runs": runs, "runs_per_s": round(float(row[0]), 1)}
+
+
+class _Sampler:
+    """pg_stat_activity of one database every 20 ms, on a connection of its own."""
+
+    def __init__(self, server: str, dbname: str) -> None:
+        self._server = server
+        self._dbname = dbname
+        self.waiting: list[int] = []
+        self.active: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with psycopg.connect(self._server, autocommit=True) as conn:
+            while not self._stop.wait(0.02):
+                row = conn.execute(WAITERS, (self._dbname,)).fetchone()
+                assert row is not None
+                self.waiting.append(int(row[0]))
+                self.active.append(int(row[1]))
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _many(server: str, runs: int, workers: int, concurrency: int,
+          host_connections: int | None) -> dict[str, Any]:
+    with scratch_database(server) as dsn, connect(dsn) as conn, \
+            psycopg.connect(server, autocommit=True) as admin:
+        name = database_name(dsn)
+        _enqueue(conn, runs)
+        with running_pool(dsn, BENCH_APP, stop="drain", output="discard", workers=workers,
+                          concurrency=concurrency, host_connections=host_connections) as pool:
+            wait_until(conn, "SELECT count(*) FROM runpool.workers WHERE stopped_at IS NULL",
+                       workers, timeout=120)
+            backends = [p for (p,) in admin.execute(BACKENDS, (name,))]
+            processes = [pool.pid, *pool.workers()]
+            listener = pool.listener()
+            if listener is not None:
+                processes.append(listener)
+            cpu_pool, cpu_server = _cpu_seconds(processes), _cpu_seconds(backends)
+            xacts = admin.execute(XACTS, (name,)).fetchone()
+            with _Sampler(server, name) as sampler:
+                wait_until(conn, COUNT_DONE, runs, timeout=900)
+            cpu_pool = _cpu_seconds(processes) - cpu_pool
+            cpu_server = _cpu_seconds(backends) - cpu_server
+            admin.execute("SELECT pg_stat_clear_snapshot()")
+            after = admin.execute(XACTS, (name,)).fetchone()
+        row = conn.execute(DRAIN_RATE).fetchone()
+        assert row is not None and xacts is not None and after is not None
+        samples = max(len(sampler.waiting), 1)
+        return {
+            "runs_per_s": round(float(row[0]), 1),
+            "xacts_per_run": round((after[0] - xacts[0]) / runs, 3),
+            "lock_waiters_mean": round(sum(sampler.waiting) / samples, 2),
+            "lock_waiters_max": max(sampler.waiting, default=0),
+            "active_mean": round(sum(sampler.active) / samples, 2),
+            "pool_cpu_ms_per_run": round(cpu_pool * 1000 / runs, 3),
+            "server_cpu_ms_per_run": round(cpu_server * 1000 / runs, 3),
+        }
+
+
+def w16_many_claimers(server: str, *, runs: int = 20_000) -> dict[str, Any]:
+    """W16: `runs` no-op runs drained by 16 worker processes x 50 slots (the host capped at
+    96 work connections: 5 pooled + 1 heartbeat each), against the W1 shape (2 x 10) on the
+    same server in the same sitting: throughput, transactions per run (empty claims of a
+    herd show here), lock waiters, and CPU per run of the pool and of its server backends.
+    Needs max_connections >= 120."""
+    base = _many(server, runs, 2, 10, None)
+    many = _many(server, runs, 16, 50, 96)
+    return {"workload": "W16", "runs": runs,
+            **{f"w1_{k}": v for k, v in base.items()},
+            **{f"w16_{k}": v for k, v in many.items()},
+            "ratio": round(many["runs_per_s"] / max(base["runs_per_s"], 1e-6), 3)}
