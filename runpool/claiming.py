@@ -13,7 +13,7 @@ from psycopg.adapt import Buffer, Loader
 from psycopg.rows import dict_row
 
 from . import faults
-from .db import loads_exact
+from .db import NO_JIT, loads_exact
 from .errors import InvalidInput
 from .queries import QUERIES
 
@@ -146,6 +146,7 @@ async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, **options: An
     # COMMIT in a second.
     async with conn.pipeline():
         async with conn.transaction():
+            await conn.execute(NO_JIT)
             cursor = await claim_statements(conn, limit=limit, **options)
     faults.hit("claim.committed", conn)
     return await read_claimed(cursor)

@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from . import faults
 from .claiming import ClaimedRun, read_claimed
-from .db import bounded, dumps, jsonb, loads, transient
+from .db import NO_JIT, bounded, dumps, jsonb, loads, transient
 from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout
 from .queries import QUERIES
 
@@ -270,6 +270,7 @@ class OutcomeWriter:
                 assert self._refill is not None
                 async with conn.pipeline():
                     async with conn.transaction():
+                        await conn.execute(NO_JIT)
                         if serial:
                             await conn.execute(QUERIES["defer_serial_release"])
                         finished = await conn.execute(QUERIES["finish_runs"], params)

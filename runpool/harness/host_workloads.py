@@ -17,7 +17,7 @@ from ..testing.pgbouncer import pgbouncer
 from ..testing.pools import running_pool
 from .measure import COUNT_DONE, DRAIN_RATE, XACTS, wait_until
 
-__all__ = ["w1p_pooler", "w16_many_claimers"]
+__all__ = ["w1p_pooler", "w16_many_claimers", "wcommits"]
 
 BENCH_APP: Final = "runpool.harness.benchapp:app"
 # Backends of one database: waiting for a lock (a row, a transaction id, an advisory key), and
@@ -144,3 +144,44 @@ def w16_many_claimers(server: str, *, runs: int = 20_000) -> dict[str, Any]:
             **{f"w1_{k}": v for k, v in base.items()},
             **{f"w16_{k}": v for k, v in many.items()},
             "ratio": round(many["runs_per_s"] / max(base["runs_per_s"], 1e-6), 3)}
+
+
+# One small write per transaction, with and without a doorbell in it (runpool's terminal
+# statuses ring one per run, inside the outcome batch's commit).
+COMMIT_TABLE: Final = "CREATE TABLE bench_commits (session int, n int)"
+PLAIN_COMMIT: Final = "INSERT INTO bench_commits VALUES (%s, %s)"
+NOTIFY_COMMIT: Final = ("WITH w AS (INSERT INTO bench_commits VALUES (%s, %s))"
+                        " SELECT pg_notify('bench_doorbell', '')")
+
+
+def _commits(dsn: str, statement: str, sessions: int, seconds: float) -> float:
+    counts = [0] * sessions
+    time_limit = threading.Event()
+
+    def session(i: int) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not time_limit.is_set():
+                conn.execute(statement, (i, counts[i]))
+                counts[i] += 1
+
+    threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    time_limit.wait(seconds)
+    time_limit.set()
+    for t in threads:
+        t.join(30)
+    return sum(counts) / seconds
+
+
+def wcommits(server: str, *, sessions: int = 8, seconds: float = 5.0) -> dict[str, Any]:
+    """Wcommits: how many commits/s the server takes from `sessions` sessions writing one row
+    per transaction, plain and with a NOTIFY in each (NOTIFY serialises commits on a
+    database-wide lock): the ceiling of doorbells a single primary can ring."""
+    with scratch_database(server, migrated=False) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(COMMIT_TABLE)
+        plain = _commits(dsn, PLAIN_COMMIT, sessions, seconds)
+        notify = _commits(dsn, NOTIFY_COMMIT, sessions, seconds)
+    return {"workload": "Wcommits", "sessions": sessions, "plain_per_s": round(plain, 1),
+            "notify_per_s": round(notify, 1), "ratio": round(notify / max(plain, 1e-6), 3)}

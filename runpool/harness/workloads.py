@@ -18,7 +18,7 @@ from ..db import connect
 from ..enqueue import RunSpec, enqueue, enqueue_many
 from ..testing.databases import scratch_database
 from ..testing.pools import PoolProcess, running_pool
-from .host_workloads import w1p_pooler, w16_many_claimers
+from .host_workloads import w1p_pooler, w16_many_claimers, wcommits
 from .live_workloads import w12_follow_latency, w13_progress_cost
 from .measure import (
     CLEAR_SNAPSHOT,
@@ -449,4 +449,5 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W15": w15_rate_limit,
     "W1p": w1p_pooler,
     "W16": w16_many_claimers,
+    "Wcommits": wcommits,
 }

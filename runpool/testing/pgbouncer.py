@@ -1,7 +1,7 @@
 """A real PgBouncer in transaction mode in front of a PostgreSQL server, started on a free
 port (Debian's package `pgbouncer`), for tests and benchmarks of pooler mode.
 
-Debian's pgbouncer refuses to run as root: as root it runs as user postgres."""
+PgBouncer refuses to run as root: as root it switches to user postgres (`-u`)."""
 
 from __future__ import annotations
 
@@ -102,7 +102,8 @@ def pgbouncer(server_dsn: str, *, pool_size: int) -> Iterator[Bouncer]:
         shutil.chown(directory, "postgres")
         for path in directory.iterdir():
             shutil.chown(path, "postgres")
-        command = ["runuser", "-u", "postgres", "--", *command]
+        # Its own switch, not runuser: the process the signal below reaches is PgBouncer.
+        command = [PGBOUNCER, "-u", "postgres", str(directory / "pgbouncer.ini")]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     bouncer = Bouncer(port, pool_size, user, directory)
     try:
