@@ -33,8 +33,8 @@ SELECT current_setting('runpool.session', true), current_setting('plan_cache_mod
 """
 # The server's connections to the test database, but this one (the sampler's).
 SERVER_CONNECTIONS = """
-SELECT count(*) FILTER (WHERE application_name <> %(listen)s),
-       count(*) FILTER (WHERE application_name = %(listen)s)
+SELECT count(*) FILTER (WHERE application_name NOT LIKE %(listen)s),
+       count(*) FILTER (WHERE application_name LIKE %(listen)s)
 FROM pg_stat_activity WHERE datname = %(db)s AND pid <> pg_backend_pid()
 """
 
@@ -60,7 +60,7 @@ class _Peak:
         with psycopg.connect(self._dsn, autocommit=True) as conn:
             while not self._stop.wait(0.02):
                 row = conn.execute(SERVER_CONNECTIONS, {
-                    "listen": LISTEN_NAME, "db": database_name(self._dsn)}).fetchone()
+                    "listen": f"{LISTEN_NAME}@%", "db": database_name(self._dsn)}).fetchone()
                 assert row is not None
                 self.pooled = max(self.pooled, row[0])
                 self.listening = max(self.listening, row[1])
