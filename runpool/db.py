@@ -223,9 +223,23 @@ async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = Fals
     return conn
 
 
-def check_stateless(conn: psycopg.Connection[Any]) -> None:
-    """Refuse a database whose single statements would not run read committed: a stateless
-    connection cannot pin the level for its session (see STATELESS_OPTIONS)."""
+# Which database of which server (run) a connection reached: the LISTEN DSN must reach the
+# one the work DSN does, or no doorbell would ever ring.
+WHICH_DATABASE: Final = "SELECT current_database(), pg_postmaster_start_time()"
+
+
+def check_stateless(conn: psycopg.Connection[Any], listen_dsn: str) -> None:
+    """Refuse a database whose single statements would not run read committed (a stateless
+    connection cannot pin the level for its session, see STATELESS_OPTIONS), and a LISTEN
+    DSN that reaches another database than `conn`'s."""
+    with connect(listen_dsn, autocommit=True) as direct:
+        listening = direct.execute(WHICH_DATABASE).fetchone()
+    working = conn.execute(WHICH_DATABASE).fetchone()
+    if listening != working:
+        raise UsageError(
+            "RUNPOOL_LISTEN_DSN reaches another database than RUNPOOL_DSN"
+            f" ({listening!r} against {working!r}: database, server start time): it must"
+            " name the same database, directly")
     row = conn.execute(DEFAULT_ISOLATION).fetchone()
     level = row[0] if row else None
     if level != "read committed":

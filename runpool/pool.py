@@ -85,12 +85,12 @@ class Pool:
 
         Raises SchemaOutOfDate on a database this runpool does not match (run `python -m
         runpool migrate`), UsageError behind a pooler whose database would not run runpool's
-        statements read committed (see db.check_stateless), and whatever stopped the worker
-        from starting.
+        statements read committed or whose listen_dsn reaches another database (see
+        db.check_stateless), and whatever stopped the worker from starting.
         """
         if self._task is not None:
             raise InvalidInput("this Pool was started already; a Pool runs once")
-        await asyncio.to_thread(_check_schema, self._worker.dsn, self.settings.stateless)
+        await asyncio.to_thread(_check_schema, self._worker.dsn, self.settings.listen_dsn)
         self._task = asyncio.create_task(self._worker.run(self._stop, self._abort),
                                          name=f"runpool-worker-{self.worker_id}")
         started = asyncio.ensure_future(self._worker.ready.wait())
@@ -155,8 +155,8 @@ class Pool:
                 "action": "pool_failed", "worker_id": str(self.worker_id)})
 
 
-def _check_schema(dsn: str, stateless: bool) -> None:
-    with connect(dsn, autocommit=True, stateless=stateless) as conn:
+def _check_schema(dsn: str, listen_dsn: str | None) -> None:
+    with connect(dsn, autocommit=True, stateless=listen_dsn is not None) as conn:
         check(conn)
-        if stateless:
-            check_stateless(conn)
+        if listen_dsn is not None:
+            check_stateless(conn, listen_dsn)

@@ -14,6 +14,7 @@ import psycopg
 
 import runpool
 from runpool.status import collect, render
+from runpool.testing.hostile import notify_flood
 from tests.helpers import running_pool, scalar, wait_for
 
 LISTENERS = """
@@ -81,3 +82,29 @@ def test_budget__a_killed_listener_process_is_restarted_and_the_workers_hear_it(
                 timeout=10, what="a run woken by the new listener")
         assert set(pool.workers()) == workers
         assert len(re.findall(r"started the host's listener", pool.log())) == 2
+
+
+def test_budget__a_forged_notice_flood_through_the_listener_process_breaks_nothing(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Any login may NOTIFY: 20,000 forged cancels, 5,000 malformed ones, 100 cancels for each
+    running run (whose flags are not set) and 2,000 doorbells go through the one listener to
+    3 workers; the listener lives on, no run is cancelled, a real run still starts on its
+    doorbell and a real cancel still lands."""
+    with running_pool(dsn, workers=3, concurrency=2, poll_seconds=60, lease_seconds=120) as pool:
+        wait_for(lambda: scalar(conn, LISTENERS) == 1, what="the host's LISTEN connection")
+        wait_for(lambda: len(pool.workers()) == 3, what="3 workers")
+        listener = pool.listener()
+        holds = [runpool.enqueue(conn, "acme", "hold", {}) for _ in range(3)]
+        wait_for(lambda: _count(conn, holds, "running") == 3, timeout=10, what="holds running")
+        notify_flood(dsn, cancels=20_000, noise=5_000, named=holds, named_each=100,
+                     wakeups=2_000)
+        run_id = runpool.enqueue(conn, "acme", "noop", {})
+        wait_for(lambda: scalar(conn, "SELECT status FROM runpool.runs WHERE id = %s",
+                                run_id) == "succeeded", timeout=15,
+                 what="a real run after the flood")
+        assert _count(conn, holds, "running") == 3
+        conn.execute("SELECT runpool.cancel_run(%s, 'real')", (holds[0],))
+        wait_for(lambda: _count(conn, holds[:1], "cancelled") == 1, timeout=10,
+                 what="a real cancel after the flood")
+        assert pool.listener() == listener
+        assert "relay_failed" not in pool.log() and "Traceback" not in pool.log()

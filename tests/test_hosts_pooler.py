@@ -181,6 +181,18 @@ def test_pooler__a_database_not_read_committed_by_default_is_refused_at_start(
         assert conn.execute("SELECT count(*) FROM runpool.workers").fetchone() == (0,)
 
 
+def test_pooler__a_listen_dsn_reaching_another_database_is_refused_at_start(
+        dsn: str, empty_dsn: str, bouncer: Bouncer) -> None:
+    async def start() -> None:
+        pool = runpool.Pool(test_app, dsn=bouncer.dsn(dsn), listen_dsn=empty_dsn)
+        await pool.start()
+
+    with pytest.raises(runpool.UsageError, match="another database"):
+        asyncio.run(start())
+    with connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM runpool.workers").fetchone() == (0,)
+
+
 @pytest.mark.parametrize(("settings", "field"), [
     ({"listen_dsn": "host=a port=notaport ="}, "listen_dsn"),
     ({"workers": 4, "host_connections": 11}, "host_connections"),
