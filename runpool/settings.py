@@ -121,11 +121,6 @@ class Settings:
         return self.listen_dsn is not None
 
     @property
-    def listen_target(self) -> str | None:
-        """The DSN the LISTEN connection opens."""
-        return self.listen_dsn or self.dsn
-
-    @property
     def heartbeat_seconds(self) -> float:
         """Leases are renewed three times per lease period, so one lost beat costs nothing."""
         return self.lease_seconds / 3

@@ -54,8 +54,11 @@ def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | 
     host's notice relay (None: a LISTEN connection of its own, if listening)."""
     try:
         return asyncio.run(_worker_async(settings, dsn, app, parent_fd, notices_fd))
-    except (SchemaOutOfDate, UsageError) as exc:
+    except SchemaOutOfDate as exc:
         logger.error("%s", exc, extra={"action": "schema_out_of_date"})
+        return EXIT_CONFIG
+    except UsageError as exc:  # a database this configuration cannot run on (see Pool.start)
+        logger.error("%s", exc, extra={"action": "unusable_configuration"})
         return EXIT_CONFIG
 
 
