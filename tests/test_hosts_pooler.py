@@ -193,6 +193,16 @@ def test_pooler__a_listen_dsn_reaching_another_database_is_refused_at_start(
         assert conn.execute("SELECT count(*) FROM runpool.workers").fetchone() == (0,)
 
 
+def test_pooler__the_worker_command_exits_78_on_a_listen_dsn_of_another_database(
+        dsn: str, empty_dsn: str, bouncer: Bouncer) -> None:
+    env = {**pool_env(bouncer.dsn(dsn), listen_dsn=empty_dsn, workers=1),
+           "RUNPOOL_APP": "tests.apps:app"}
+    out = subprocess.run([sys.executable, "-m", "runpool", "worker"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 78, out.stderr[-2000:]
+    assert "action=unusable_configuration" in out.stderr
+
+
 @pytest.mark.parametrize(("settings", "field"), [
     ({"listen_dsn": "host=a port=notaport ="}, "listen_dsn"),
     ({"workers": 4, "host_connections": 11}, "host_connections"),
