@@ -43,8 +43,8 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total / TICKS
 
 
-def _enqueue(conn: psycopg.Connection[Any], runs: int) -> None:
-    specs = [RunSpec("tenant0", "noop") for _ in range(runs)]
+def _enqueue(conn: psycopg.Connection[Any], runs: int, tenants: int = 1) -> None:
+    specs = [RunSpec(f"tenant{i % tenants}", "noop") for i in range(runs)]
     for chunk in range(0, runs, 2000):
         enqueue_many(conn, specs[chunk:chunk + 2000])
     conn.commit()
@@ -96,11 +96,11 @@ class _Sampler:
 
 
 def _many(server: str, runs: int, workers: int, concurrency: int,
-          host_connections: int | None) -> dict[str, Any]:
+          host_connections: int | None, tenants: int) -> dict[str, Any]:
     with scratch_database(server) as dsn, connect(dsn) as conn, \
             psycopg.connect(server, autocommit=True) as admin:
         name = database_name(dsn)
-        _enqueue(conn, runs)
+        _enqueue(conn, runs, tenants)
         with running_pool(dsn, BENCH_APP, stop="drain", output="discard", workers=workers,
                           concurrency=concurrency, host_connections=host_connections) as pool:
             wait_until(conn, "SELECT count(*) FROM runpool.workers WHERE stopped_at IS NULL",
@@ -132,15 +132,16 @@ def _many(server: str, runs: int, workers: int, concurrency: int,
         }
 
 
-def w16_many_claimers(server: str, *, runs: int = 20_000) -> dict[str, Any]:
+def w16_many_claimers(server: str, *, runs: int = 20_000, tenants: int = 1) -> dict[str, Any]:
     """W16: `runs` no-op runs drained by 16 worker processes x 50 slots (the host capped at
     96 work connections: 5 pooled + 1 heartbeat each), against the W1 shape (2 x 10) on the
     same server in the same sitting: throughput, transactions per run (empty claims of a
     herd show here), lock waiters, and CPU per run of the pool and of its server backends.
-    Needs max_connections >= 120."""
-    base = _many(server, runs, 2, 10, None)
-    many = _many(server, runs, 16, 50, 96)
-    return {"workload": "W16", "runs": runs,
+    Needs max_connections >= 120. `tenants`: the runs spread over that many tenants (W16t:
+    16), whose claims lock different tenant rows."""
+    base = _many(server, runs, 2, 10, None, tenants)
+    many = _many(server, runs, 16, 50, 96, tenants)
+    return {"workload": "W16" if tenants == 1 else "W16t", "runs": runs, "tenants": tenants,
             **{f"w1_{k}": v for k, v in base.items()},
             **{f"w16_{k}": v for k, v in many.items()},
             "ratio": round(many["runs_per_s"] / max(base["runs_per_s"], 1e-6), 3)}

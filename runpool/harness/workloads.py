@@ -449,5 +449,6 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W15": w15_rate_limit,
     "W1p": w1p_pooler,
     "W16": w16_many_claimers,
+    "W16t": lambda server: w16_many_claimers(server, tenants=16),
     "Wcommits": wcommits,
 }
