@@ -27,6 +27,11 @@ SELECT count(*) FILTER (WHERE wait_event_type = 'Lock'),
        count(*) FILTER (WHERE state = 'active')
 FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()
 """
+# The same backends' lock waits by kind of lock (tuple, transactionid, advisory, ...).
+WAIT_KINDS: Final = """
+SELECT wait_event, count(*) FROM pg_stat_activity
+WHERE datname = %s AND wait_event_type = 'Lock' GROUP BY wait_event
+"""
 BACKENDS: Final = "SELECT pid FROM pg_stat_activity WHERE datname = %s"
 TICKS: Final = os.sysconf("SC_CLK_TCK")
 
@@ -75,6 +80,8 @@ class _Sampler:
         self._dbname = dbname
         self.waiting: list[int] = []
         self.active: list[int] = []
+        # Lock waits by kind (tuple, transactionid, advisory, ...), summed over the samples.
+        self.kinds: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -85,6 +92,8 @@ class _Sampler:
                 assert row is not None
                 self.waiting.append(int(row[0]))
                 self.active.append(int(row[1]))
+                for kind, n in conn.execute(WAIT_KINDS, (self._dbname,)):
+                    self.kinds[kind] = self.kinds.get(kind, 0) + int(n)
 
     def __enter__(self) -> _Sampler:
         self._thread.start()
@@ -127,6 +136,7 @@ def _many(server: str, runs: int, workers: int, concurrency: int,
             "lock_waiters_mean": round(sum(sampler.waiting) / samples, 2),
             "lock_waiters_max": max(sampler.waiting, default=0),
             "active_mean": round(sum(sampler.active) / samples, 2),
+            "lock_waits_by_kind": {k: round(v / samples, 2) for k, v in sampler.kinds.items()},
             "pool_cpu_ms_per_run": round(cpu_pool * 1000 / runs, 3),
             "server_cpu_ms_per_run": round(cpu_server * 1000 / runs, 3),
         }
