@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in {*COMMANDS, "-h", "--help", "--version"}:
         argv.insert(0, "worker")
     args = _parser().parse_args(argv)
-    setup_logging()
     try:
+        setup_logging()
         code = _dispatch(args)
     except InvalidInput as exc:
         print(f"runpool: invalid input: {exc}", file=sys.stderr)

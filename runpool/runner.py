@@ -20,6 +20,7 @@ from .context import Run
 from .control import RunControl
 from .db import again, bounded
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown, WaitTimeout
+from .logs import run_log_context
 from .outcomes import Outcome, OutcomeWriter
 from .progress import Publisher
 from .settings import Settings
@@ -76,12 +77,17 @@ class SlotRunner:
     # -- executing ---------------------------------------------------------------------------
 
     async def _execute(self, slot: Slot) -> None:
-        if not telemetry.enabled():
-            await self._execute_traced(slot, None)
-            return
         c = slot.claimed
-        with telemetry.process_span(c.id, c.tenant, c.handler, c.attempt, c.traceparent) as span:
-            await self._execute_traced(slot, span)
+        # Every record made in this run's task and threads (the handler's own loggers' too)
+        # says which run it belongs to (see runpool.logs).
+        with run_log_context(**slot.extra, attempt=c.attempt, handler=c.handler,
+                             trace_id=telemetry.trace_id_of(c.id, c.traceparent)):
+            if not telemetry.enabled():
+                await self._execute_traced(slot, None)
+                return
+            with telemetry.process_span(c.id, c.tenant, c.handler, c.attempt,
+                                        c.traceparent) as span:
+                await self._execute_traced(slot, span)
 
     async def _execute_traced(self, slot: Slot, span: Any) -> None:
         try:

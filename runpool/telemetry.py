@@ -139,6 +139,12 @@ def run_context(run_id: uuid.UUID, traceparent: str | None) -> otel_context.Cont
     return trace.set_span_in_context(NonRecordingSpan(parent))
 
 
+def trace_id_of(run_id: uuid.UUID, traceparent: str | None) -> str:
+    """The run's trace id as 32 hex digits (its logs carry it even with tracing off)."""
+    span = trace.get_current_span(run_context(run_id, traceparent)).get_span_context()
+    return format(span.trace_id, "032x")
+
+
 @contextmanager
 def process_span(run_id: uuid.UUID, tenant: str, handler: str, attempt: int,
                  traceparent: str | None) -> Iterator[Span | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any
@@ -272,3 +273,12 @@ async def progress_spin(run: runpool.Run) -> Any:
         await run.progress({"i": i})
         i += 1
     return {"emitted": i}
+
+
+@app.handler("logs")
+async def logs(run: runpool.Run) -> Any:
+    """Logs through the application's own logger, from its task and from a thread."""
+    app_logger = logging.getLogger("tests.apps.agent")
+    app_logger.info("thinking about %s", run.input.get("topic", "nothing"))
+    await asyncio.to_thread(app_logger.warning, "from a thread")
+    return {"logged": 2}
