@@ -159,10 +159,11 @@ class SlotRunner:
                       progress=self._progress.offer if self._progress is not None else None,
                       budget=costs.decode(c.budget), usage=costs.decode(c.usage),
                       traceparent=c.traceparent, short_sleep=s.lease_seconds / 3)
-            if handler.is_async:
-                result = await handler.fn(run)
-            else:
-                result = await slot.control.threads.call(handler.fn, run)
+            with telemetry.agent_span(c.id, c.handler):
+                if handler.is_async:
+                    result = await handler.fn(run)
+                else:
+                    result = await slot.control.threads.call(handler.fn, run)
         except Suspended:
             return self._suspended(slot)
         except asyncio.CancelledError:

@@ -13,10 +13,11 @@ The tracer in use is a context variable set when a worker starts: every task the
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Final
@@ -33,15 +34,22 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
+from .errors import InvalidInput
+
 __all__ = [
     "Status",
     "StatusCode",
     "activate",
+    "agent_span",
+    "build_provider",
+    "check_env",
     "enabled",
+    "exporters",
     "process_span",
     "provider_from_env",
     "run_context",
     "shutdown_provider",
+    "trace_id_of",
 ]
 
 logger = logging.getLogger("runpool.telemetry")
@@ -59,6 +67,15 @@ GENAI_REQUEST_MODEL: Final = "gen_ai.request.model"
 GENAI_PROVIDER: Final = "gen_ai.provider.name"
 GENAI_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
 GENAI_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+GENAI_AGENT_NAME: Final = "gen_ai.agent.name"
+GENAI_CONVERSATION_ID: Final = "gen_ai.conversation.id"
+# The messaging semantic conventions' consumer attributes: a run is a message, its handler the
+# destination it was sent to (the span's name is "process {destination}" as they ask).
+MESSAGING_SYSTEM: Final = "messaging.system"
+MESSAGING_OPERATION_TYPE: Final = "messaging.operation.type"
+MESSAGING_OPERATION_NAME: Final = "messaging.operation.name"
+MESSAGING_DESTINATION: Final = "messaging.destination.name"
+MESSAGING_MESSAGE_ID: Final = "messaging.message.id"
 
 # The tracer of the worker this code runs under; None: tracing is off.
 _tracer: ContextVar[trace.Tracer | None] = ContextVar("runpool_tracer", default=None)
@@ -81,36 +98,137 @@ def activate(provider: trace.TracerProvider | None) -> None:
     _tracer.set(chosen.get_tracer("runpool"))
 
 
-def provider_from_env(worker_id: uuid.UUID) -> Any:
-    """For a worker process that owns its process: an SDK provider exporting over OTLP,
-    installed globally, if an OTLP endpoint is configured; else None."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return None
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
-        return None
+# OTEL_TRACES_EXPORTER values runpool builds (as the SDK's auto-configuration names them).
+EXPORTERS: Final = ("otlp", "console", "none")
+PROTOCOLS: Final = ("http/protobuf", "grpc")
+# Our export timeout when OTEL_EXPORTER_OTLP_(TRACES_)TIMEOUT is unset (the SDK's is 10 s): a
+# collector that is down or hangs must not hold up a worker's exit for long.
+DEFAULT_EXPORT_TIMEOUT: Final = 3.0
+
+
+def _env(environ: Mapping[str, str], *names: str) -> str | None:
+    """The first of `names` set to something non-blank (signal-specific variables first)."""
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def exporters(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The span exporters the OTEL_* variables ask for; () when tracing is off.
+
+    OTEL_TRACES_EXPORTER is read as the SDK reads it (a comma-separated list, `none` for
+    nothing). Unset, it is `otlp` once an OTLP endpoint is configured and nothing otherwise,
+    so a pool started without any telemetry configuration does not retry exports to a
+    collector nobody runs. Raises InvalidInput naming the variable for what it cannot build.
+    """
+    env = os.environ if environ is None else environ
+    if (_env(env, "OTEL_SDK_DISABLED") or "").lower() == "true":
+        return ()
+    raw = _env(env, "OTEL_TRACES_EXPORTER")
+    if raw is None:
+        endpoint = _env(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+        return ("otlp",) if endpoint else ()
+    names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
+    unknown = [n for n in names if n not in EXPORTERS]
+    if unknown:
+        raise InvalidInput(f"OTEL_TRACES_EXPORTER: unknown exporter(s) {unknown}; runpool"
+                           f" builds {', '.join(EXPORTERS)}")
+    return tuple(n for n in names if n != "none")
+
+
+def protocol(environ: Mapping[str, str] | None = None) -> str:
+    """The OTLP protocol for traces (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, then
+    OTEL_EXPORTER_OTLP_PROTOCOL, default http/protobuf); InvalidInput for another one, or for
+    grpc without its exporter installed."""
+    env = os.environ if environ is None else environ
+    chosen = (_env(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+              or "http/protobuf").lower()
+    if chosen not in PROTOCOLS:
+        raise InvalidInput(f"OTEL_EXPORTER_OTLP_PROTOCOL: {chosen!r} is not supported; use"
+                           f" {' or '.join(PROTOCOLS)}")
+    package = _EXPORTER_PACKAGES[chosen]
+    if not _installed(package.replace("-", ".")):
+        raise InvalidInput(f"OTEL_EXPORTER_OTLP_PROTOCOL={chosen} needs the {package} package:"
+                           " pip install 'runpool[otlp]'")
+    return chosen
+
+
+_EXPORTER_PACKAGES: Final = {"grpc": "opentelemetry-exporter-otlp-proto-grpc",
+                             "http/protobuf": "opentelemetry-exporter-otlp-proto-http"}
+
+
+def _installed(module: str) -> bool:
     try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    except ImportError:
-        logger.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but the exporter is not installed:"
-                       " pip install 'runpool[otlp]'", extra={"action": "tracing_unavailable"})
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_env(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse OTEL_* settings no worker could build, before any worker is forked (the
+    supervisor imports nothing of the exporters: checking never starts a thread)."""
+    if "otlp" in exporters(environ):
+        protocol(environ)
+
+
+def _span_exporter(name: str, env: Mapping[str, str]) -> Any:
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    # The SDK reads the endpoint, headers, certificates, compression and timeout from the
+    # environment itself; runpool only shortens the timeout when none is configured.
+    timeout = (None if _env(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+               else DEFAULT_EXPORT_TIMEOUT)
+    if protocol(env) == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(timeout=timeout)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(timeout=timeout)
+
+
+def build_provider(worker_id: uuid.UUID) -> Any:
+    """An SDK tracer provider for one worker process, built from the OTEL_* variables as the
+    SDK defines them; None when tracing is off. Not installed (see provider_from_env)."""
+    env = os.environ
+    names = exporters(env)
+    if not names:
         return None
-    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create({
-        "service.name": os.environ.get("OTEL_SERVICE_NAME", "runpool"),
-        "service.instance.id": str(worker_id),
-        "process.pid": os.getpid(),
-    })
+    # OTEL_SERVICE_NAME, then OTEL_RESOURCE_ATTRIBUTES' service.name (the SDK's detector
+    # applies that order), then "runpool"; what the operator set is never overridden.
+    given = OTELResourceDetector().detect().attributes
+    ours: dict[str, Any] = {"service.name": "runpool", "service.instance.id": str(worker_id),
+                            "process.pid": os.getpid()}
+    resource = Resource.create({k: v for k, v in ours.items() if k not in given})
     # shutdown_on_exit=False: we flush explicitly, bounded, and os._exit skips atexit anyway.
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-    # A short export timeout: a collector that is down or hangs must not hold up shutdown.
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(timeout=3)))
-    # This process is the worker's own (forked by the supervisor): the global is ours to set,
-    # so spans the handlers start themselves go to the same exporter.
-    trace.set_tracer_provider(provider)
+    for name in names:
+        provider.add_span_processor(BatchSpanProcessor(_span_exporter(name, env)))
+    return provider
+
+
+def provider_from_env(worker_id: uuid.UUID) -> Any:
+    """For a worker process that owns its process: build_provider's provider, installed
+    globally (so spans the handlers start themselves go to the same exporters); else None.
+    A setting it cannot build is logged and tracing stays off: the supervisor refused it
+    already (check_env), so this only happens to a process started some other way."""
+    try:
+        provider = build_provider(worker_id)
+    except InvalidInput as exc:
+        logger.error("tracing is off: %s", exc, extra={"action": "tracing_unavailable"})
+        return None
+    if provider is not None:
+        trace.set_tracer_provider(provider)
     return provider
 
 
@@ -155,8 +273,31 @@ def process_span(run_id: uuid.UUID, tenant: str, handler: str, attempt: int,
         return
     span = tracer.start_span(
         f"process {handler}", context=run_context(run_id, traceparent), kind=SpanKind.CONSUMER,
-        attributes={RUN_ID: str(run_id), TENANT: tenant, HANDLER: handler, ATTEMPT: attempt})
+        attributes={RUN_ID: str(run_id), TENANT: tenant, HANDLER: handler, ATTEMPT: attempt,
+                    MESSAGING_SYSTEM: "runpool", MESSAGING_OPERATION_TYPE: "process",
+                    MESSAGING_OPERATION_NAME: "process", MESSAGING_DESTINATION: handler,
+                    MESSAGING_MESSAGE_ID: str(run_id)})
     with trace.use_span(span, end_on_exit=True):
+        yield span
+
+
+@contextmanager
+def agent_span(run_id: uuid.UUID, handler: str) -> Iterator[Span | None]:
+    """The GenAI conventions' `invoke_agent {name}` span around the handler (the agent), in
+    the process span: its model turns and tool calls are its children. The run is the
+    conversation (its id is the conversation id across every attempt). What ends the handler
+    (its outcome, its error) is recorded on the process span only: an exception escaping here
+    may be control flow (a durable wait suspending the attempt, a cancellation), not a
+    failure."""
+    tracer = _tracer.get()
+    if tracer is None:
+        yield None
+        return
+    with tracer.start_as_current_span(
+            f"invoke_agent {handler}", kind=SpanKind.INTERNAL,
+            attributes={GENAI_OPERATION: "invoke_agent", GENAI_AGENT_NAME: handler,
+                        GENAI_CONVERSATION_ID: str(run_id)},
+            record_exception=False, set_status_on_exception=False) as span:
         yield span
 
 

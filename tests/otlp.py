@@ -1,8 +1,11 @@
-"""An in-test OTLP/HTTP trace receiver that decodes what real workers export."""
+"""In-test OTLP trace receivers (HTTP/protobuf and gRPC) that decode what real workers export."""
 
 from __future__ import annotations
 
+import select
+import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -21,6 +24,8 @@ class ReceivedSpan:
     name: str
     attributes: dict[str, Any]
     events: list[tuple[str, dict[str, Any]]]
+    resource: dict[str, Any] = field(default_factory=dict)
+    kind: int = 0
 
 
 def _value(v: Any) -> Any:
@@ -35,6 +40,8 @@ class Receiver:
     mode: str = "ok"
     spans: list[ReceivedSpan] = field(default_factory=list)
     requests: int = 0
+    # mode 'hang': how long each client waited before it gave up (closed its connection).
+    waited: list[float] = field(default_factory=list)
     _closing: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> str:
@@ -45,7 +52,7 @@ class Receiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 receiver.requests += 1
                 if receiver.mode == "hang":
-                    receiver._closing.wait(60)
+                    receiver._hang(self.connection)
                     return
                 if receiver.mode == "unavailable":
                     self.send_response(503)
@@ -67,14 +74,26 @@ class Receiver:
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
+    def _hang(self, connection: socket.socket) -> None:
+        """Never answer; note when the client gives up on the request (closes its end)."""
+        started = time.monotonic()
+        while not self._closing.is_set():
+            readable, _, _ = select.select([connection], [], [], 0.05)
+            if readable and not connection.recv(1, socket.MSG_PEEK):
+                self.waited.append(time.monotonic() - started)
+                return
+
     def close(self) -> None:
         self._closing.set()
         self._server.shutdown()
         self._server.server_close()
 
     def _decode(self, body: bytes) -> None:
-        request = ExportTraceServiceRequest.FromString(body)
+        self.decode(ExportTraceServiceRequest.FromString(body))
+
+    def decode(self, request: ExportTraceServiceRequest) -> None:
         for resource_spans in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for s in scope_spans.spans:
                     self.spans.append(ReceivedSpan(
@@ -82,4 +101,33 @@ class Receiver:
                         parent_span_id=s.parent_span_id.hex(), name=s.name,
                         attributes={a.key: _value(a.value) for a in s.attributes},
                         events=[(e.name, {a.key: _value(a.value) for a in e.attributes})
-                                for e in s.events]))
+                                for e in s.events], resource=resource, kind=s.kind))
+
+
+class GrpcReceiver(Receiver):
+    """The same receiver behind a real gRPC server (OTEL_EXPORTER_OTLP_PROTOCOL=grpc)."""
+
+    def start(self) -> str:
+        from concurrent import futures
+
+        import grpc  # type: ignore[import-untyped]
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        receiver = self
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: ExportTraceServiceRequest, context: Any
+                       ) -> ExportTraceServiceResponse:
+                receiver.requests += 1
+                receiver.decode(request)
+                return ExportTraceServiceResponse()
+
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            Servicer(), self._grpc)
+        port = self._grpc.add_insecure_port("127.0.0.1:0")
+        self._grpc.start()
+        return f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self._grpc.stop(grace=None)

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 import yaml
 
 import runpool
-from tests.helpers import ROOT, assert_invariants, run_row, running_pool, scalar, wait_for
-from tests.otlp import ReceivedSpan, Receiver
+from runpool import telemetry
+from runpool.errors import InvalidInput
+from tests.helpers import (
+    ROOT,
+    assert_invariants,
+    pool_env,
+    run_row,
+    running_pool,
+    scalar,
+    wait_for,
+)
+from tests.otlp import GrpcReceiver, ReceivedSpan, Receiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -57,11 +71,23 @@ def test_trace__one_trace_across_a_reclaim_with_genai_tool_spans(
     assert second.attributes["runpool.tenant"] == "acme"
     assert second.attributes["runpool.handler"] == "agent"
     assert second.attributes["runpool.run.outcome"] == "succeeded"
-    hits = [e for e in second.events if e[0] == "runpool.checkpoint.hit"]
+    # The messaging conventions' consumer attributes: the run is the message.
+    assert second.attributes["messaging.system"] == "runpool"
+    assert second.attributes["messaging.operation.type"] == "process"
+    assert second.attributes["messaging.destination.name"] == "agent"
+    assert second.attributes["messaging.message.id"] == str(run_id)
+    # The GenAI conventions' agent span holds the attempt's tool calls.
+    (agent,) = [s for s in spans if s.name == "invoke_agent agent"
+                and s.parent_span_id == second.span_id]
+    assert agent.attributes["gen_ai.operation.name"] == "invoke_agent"
+    assert agent.attributes["gen_ai.agent.name"] == "agent"
+    assert agent.attributes["gen_ai.conversation.id"] == str(run_id)
+    # A checkpoint hit is an event where the tool call would have run: in the agent's span.
+    hits = [e for e in agent.events if e[0] == "runpool.checkpoint.hit"]
     assert sorted(e[1]["gen_ai.tool.call.id"] for e in hits) == ["c0", "c1"]
     tools = [s for s in spans if s.trace_id == TRACE_ID and s.name == "execute_tool lookup"]
     (c2,) = [s for s in tools if s.attributes["gen_ai.tool.call.id"] == "c2"]
-    assert c2.parent_span_id == second.span_id
+    assert c2.parent_span_id == agent.span_id
     assert c2.attributes["gen_ai.operation.name"] == "execute_tool"
     assert c2.attributes["gen_ai.tool.name"] == "lookup"
     # Whatever attempt 1 exported before it died belongs to the same trace.
@@ -101,3 +127,129 @@ def test_collector_config__otlp_in_batch_jaeger_out() -> None:
     pipeline = config["service"]["pipelines"]["traces"]
     assert pipeline == {"receivers": ["otlp"], "processors": ["batch"],
                         "exporters": ["otlp/jaeger"]}
+
+
+# -- the standard OTEL_* variables, each against a real receiver or a real worker process --
+
+def _drained(pool: Any) -> None:
+    pool.send_signal(signal.SIGTERM)  # workers flush their spans on the way out
+    assert pool.wait(timeout=30) == 0
+
+
+def test_otlp_grpc__spans_arrive_over_grpc_and_logs_carry_the_span(
+        conn: psycopg.Connection, dsn: str) -> None:
+    receiver = GrpcReceiver()
+    endpoint = receiver.start()
+    try:
+        run_id = runpool.enqueue(conn, "acme", "logs")
+        env = {**_otel(endpoint), "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+               "RUNPOOL_LOG_FORMAT": "json"}
+        with running_pool(dsn, env=env) as pool:
+            wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="run done")
+            _drained(pool)
+            log = pool.log()
+        spans = _of_run(receiver.spans, run_id)
+    finally:
+        receiver.close()
+    (process,) = [s for s in spans if s.name == "process logs"]
+    (agent,) = [s for s in receiver.spans if s.name == "invoke_agent logs"]
+    assert agent.parent_span_id == process.span_id and process.trace_id == run_id.hex
+    assert process.resource["service.name"] == "runpool-test"
+    # The handler's own log line names the span it was written in.
+    (line,) = [json.loads(x) for x in log.splitlines() if "thinking about" in x]
+    assert (line["trace_id"], line["span_id"]) == (agent.trace_id, agent.span_id)
+
+
+def test_traces_exporter_none__nothing_is_exported(
+        conn: psycopg.Connection, dsn: str, receiver: Receiver) -> None:
+    endpoint = receiver.start()
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    with running_pool(dsn, env={**_otel(endpoint), "OTEL_TRACES_EXPORTER": "none"}) as pool:
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="run done")
+        _drained(pool)
+    assert receiver.requests == 0
+
+
+def test_console_and_otlp_with_resource_attributes(
+        conn: psycopg.Connection, dsn: str, receiver: Receiver) -> None:
+    endpoint = receiver.start()
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50",
+           "OTEL_TRACES_EXPORTER": "console, otlp",
+           "OTEL_RESOURCE_ATTRIBUTES": "service.name=billing-agents,"
+                                       "deployment.environment.name=staging"}
+    with running_pool(dsn, env=env) as pool:
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="run done")
+        _drained(pool)
+        log = pool.log()
+    (process,) = [s for s in _of_run(receiver.spans, run_id) if s.name == "process noop"]
+    assert process.resource["service.name"] == "billing-agents"
+    assert process.resource["deployment.environment.name"] == "staging"
+    (worker_id,) = {str(w) for (w,) in conn.execute("SELECT id FROM runpool.workers")}
+    assert process.resource["service.instance.id"] == worker_id
+    # The console exporter printed the same span (the SDK's JSON, on stdout).
+    assert '"name": "process noop"' in log and process.span_id in log
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, "runpool"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes"}, "from-attributes"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes",
+      "OTEL_SERVICE_NAME": "from-name"}, "from-name"),
+])
+def test_service_name__precedence(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                  expected: str) -> None:
+    for name in ("OTEL_RESOURCE_ATTRIBUTES", "OTEL_SERVICE_NAME", "OTEL_TRACES_EXPORTER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    provider = telemetry.build_provider(uuid.uuid4())
+    try:
+        assert provider.resource.attributes["service.name"] == expected
+    finally:
+        provider.shutdown()
+
+
+@pytest.mark.parametrize(("timeout", "gave_up"), [(None, (1.5, 5.0)), ("7", (6.0, 30.0))])
+def test_otlp_timeout__the_variable_wins_over_runpools_short_default(
+        conn: psycopg.Connection, dsn: str, receiver: Receiver, timeout: str | None,
+        gave_up: tuple[float, float]) -> None:
+    # A collector that never answers: the exporter gives up after runpool's 3 s unless
+    # OTEL_EXPORTER_OTLP_TIMEOUT (seconds, as the Python SDK reads it) says otherwise.
+    receiver.mode = "hang"
+    endpoint = receiver.start()
+    env = _otel(endpoint) | ({"OTEL_EXPORTER_OTLP_TIMEOUT": timeout} if timeout else {})
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    with running_pool(dsn, env=env):
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="run done")
+        wait_for(lambda: receiver.waited, timeout=40, what="the exporter to give up")
+    low, high = gave_up
+    assert low <= receiver.waited[0] <= high
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("OTEL_TRACES_EXPORTER", "zipkin"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+])
+def test_pool__refuses_otel_settings_it_cannot_build_before_forking(
+        dsn: str, variable: str, value: str) -> None:
+    env = {**pool_env(dsn, app="tests.apps:app"), "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:1",
+           variable: value}
+    done = subprocess.run([sys.executable, "-m", "runpool", "worker"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert variable in done.stderr and value in done.stderr
+
+
+def test_exporters__as_the_sdk_reads_the_variable() -> None:
+    assert telemetry.exporters({}) == ()
+    assert telemetry.exporters({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == ("otlp",)
+    assert telemetry.exporters({"OTEL_TRACES_EXPORTER": "none",
+                                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == ()
+    assert telemetry.exporters({"OTEL_TRACES_EXPORTER": "OTLP,console,otlp"}) == (
+        "otlp", "console")
+    assert telemetry.exporters({"OTEL_SDK_DISABLED": "true",
+                                "OTEL_TRACES_EXPORTER": "console"}) == ()
+    with pytest.raises(InvalidInput, match="OTEL_TRACES_EXPORTER"):
+        telemetry.exporters({"OTEL_TRACES_EXPORTER": "jaeger"})
