@@ -66,6 +66,8 @@ _HELP = {
                         " workers x (pool size + 1))",
     "data_dir": "embedded PostgreSQL data directory",
     "schedule_catchup_max": "most missed plans of one schedule catch_up='all' fires",
+    "retention_seconds": "purge finished runs older than this (0 keeps everything)",
+    "alert_webhook": "URL every run entering 'failed' is posted to (JSON, Slack-compatible)",
 }
 
 

@@ -462,3 +462,9 @@ FROM runpool.runs r
 JOIN unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
   ON r.id = h.id AND r.attempt = h.attempt
 WHERE r.status = 'running' AND r.cancel_requested_at IS NOT NULL;
+
+-- name: purge_turn
+-- This pool's turn at the background purge (see 0014): NULL when it is not its turn, else
+-- the runs one batch removed.
+SELECT runpool._purge_turn(make_interval(secs => %(older_than)s), %(batch_size)s,
+                           make_interval(secs => %(every)s))

@@ -65,6 +65,13 @@ class Settings:
     data_dir: str = ".runpool/pgdata"
     # The most plans of one schedule that catch_up='all' fires after an outage (the latest).
     schedule_catchup_max: int = 100
+    # Finished runs older than this are purged in the background with everything of theirs
+    # (one purger at a time across the cluster); 0 keeps everything. Default: 7 days.
+    retention_seconds: float = 604800.0
+    # Where every run entering 'failed' is posted (a JSON document); None: nowhere (the alerts
+    # wait in the database's outbox until a pool with a webhook delivers them, or retention
+    # removes them).
+    alert_webhook: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("lease_seconds", "poll_seconds", "retry_backoff_seconds")
@@ -103,6 +110,12 @@ class Settings:
                 f"host_connections must be between 3 x workers ({3 * self.workers}) and 10000,"
                 f" got {self.host_connections} (each worker needs 2 pooled and 1 heartbeat"
                 " connection)")
+        if not 0 <= self.retention_seconds <= 100 * 365 * 86400:
+            raise InvalidInput("retention_seconds must be between 0 (keep everything) and"
+                               f" 100 years, got {self.retention_seconds}")
+        if self.alert_webhook is not None and not self.alert_webhook.startswith(
+                ("http://", "https://")):
+            raise InvalidInput(f"alert_webhook must be an http(s) URL, got {self.alert_webhook!r}")
         if self.aging_seconds is not None and not self.aging_seconds > 0:
             raise InvalidInput(f"aging_seconds must be > 0, got {self.aging_seconds}")
 

@@ -34,6 +34,7 @@ from .outcomes import OutcomeWriter
 from .progress import Publisher
 from .queries import QUERIES
 from .relay import RelayReader
+from .retention import Purger
 from .runner import SlotRunner
 from .scheduler import Scheduler, upsert_schedules
 from .settings import Settings
@@ -125,6 +126,9 @@ class Worker:
             side.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
+            if s.retention_seconds > 0:
+                purger = Purger(self._pool, retention_seconds=s.retention_seconds, log=self._log)
+                side.append(asyncio.create_task(purger.run(), name="purger"))
             if s.listen and self._notices_fd is not None:
                 self.listener = RelayReader(
                     self._notices_fd, self._attention, self.cancels.on_notice,
