@@ -22,6 +22,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import telemetry
+from .alerts import AlertSender
 from .app import App
 from .cancellation import Canceller
 from .claiming import ClaimedRun, claim, claim_statements
@@ -126,6 +127,9 @@ class Worker:
             side.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
+            if s.alert_webhook:
+                sender = AlertSender(self._pool, s.alert_webhook, log=self._log)
+                side.append(asyncio.create_task(sender.run(), name="alerts"))
             if s.retention_seconds > 0:
                 purger = Purger(self._pool, retention_seconds=s.retention_seconds, log=self._log)
                 side.append(asyncio.create_task(purger.run(), name="purger"))

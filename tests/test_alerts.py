@@ -1,0 +1,182 @@
+"""Dead-letter alerts: the outbox trigger, and delivery to a real HTTP receiver by real pools."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import psycopg
+import pytest
+
+import runpool
+from runpool.alerts import Alert, backoff_seconds
+from runpool.claiming import claim
+from runpool.db import aconnect
+from runpool.queries import QUERIES
+from tests.helpers import run_row, running_pool, scalar, wait_for
+
+KEYS = {"id", "run_id", "tenant", "handler", "reason", "attempts", "text"}
+
+
+@dataclass
+class Webhook:
+    """A real HTTP receiver: answers 503 to the first `fail_first` posts, then 200."""
+
+    fail_first: int = 0
+    posts: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> str:
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with hook._lock:
+                    status = 503 if len(hook.posts) < hook.fail_first else 200
+                    hook.posts.append((status, doc))
+                self.send_response(status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self._server.server_address[1]}/hooks/runpool"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def delivered(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {d["run_id"]: d for s, d in self.posts if s == 200}
+
+
+@pytest.fixture
+def webhook() -> Iterator[Webhook]:
+    hook = Webhook()
+    yield hook
+    hook.close()
+
+
+def _alerts(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+    return cur.execute("SELECT * FROM runpool.alerts ORDER BY created_at").fetchall()
+
+
+def test_webhook__failed_runs_are_delivered_once_a_failing_receiver_recovers(
+        conn: psycopg.Connection, dsn: str, webhook: Webhook) -> None:
+    webhook.fail_first = 2
+    url = webhook.start()
+    refused = runpool.enqueue(conn, "acme", "fails")
+    exhausted = runpool.enqueue(conn, "beta", "always_raises", max_attempts=2)
+    fine = runpool.enqueue(conn, "acme", "noop")
+    failed = {str(refused), str(exhausted)}
+    # Two worker processes: two senders sharing one outbox.
+    with running_pool(dsn, workers=2, alert_webhook=url, retry_backoff_seconds=0.1) as pool:
+        wait_for(lambda: set(webhook.delivered()) == failed, timeout=30,
+                 what="every failure delivered")
+        assert run_row(conn, fine)["status"] == "succeeded"
+        wait_for(lambda: all(a["delivered_at"] for a in _alerts(conn)), what="marked delivered")
+        log = pool.log()
+    docs = webhook.delivered()
+    for doc in docs.values():
+        assert KEYS <= set(doc) and doc["run_id"] in doc["text"]
+    assert docs[str(refused)]["reason"] == "failed"
+    assert "refused by handler" in docs[str(refused)]["text"]
+    assert docs[str(exhausted)]["attempts"] == 2 and docs[str(exhausted)]["tenant"] == "beta"
+    assert "exception" in docs[str(exhausted)]["text"]
+    # The posts refused by the receiver carried the same alert ids as the ones delivered, and
+    # each alert was delivered once (two senders never took the same alert).
+    ids = {d["run_id"]: d["id"] for d in docs.values()}
+    assert all(ids[d["run_id"]] == d["id"] for _, d in webhook.posts)
+    assert sorted(d["id"] for s, d in webhook.posts if s == 200) == sorted(ids.values())
+    rows = _alerts(conn)
+    assert sorted(str(a["id"]) for a in rows) == sorted(ids.values())
+    assert sum(a["tries"] for a in rows) == len(webhook.posts)
+    assert "alert_retry" in log and str(fine) not in {d["run_id"] for _, d in webhook.posts}
+
+
+def test_webhook__an_unreachable_receiver_backs_off_and_never_slows_the_pool(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # A port nobody listens on.
+    hook = Webhook()
+    url = hook.start()
+    hook.close()
+    failed = runpool.enqueue(conn, "acme", "fails")
+    with running_pool(dsn, alert_webhook=url):
+        wait_for(lambda: (_alerts(conn) or [{"tries": 0}])[0]["tries"] >= 2, timeout=20,
+                 what="a retried alert")
+        ids = [runpool.enqueue(conn, "acme", "noop") for _ in range(20)]
+        wait_for(lambda: all(run_row(conn, r)["status"] == "succeeded" for r in ids),
+                 what="runs go on")
+    (alert,) = _alerts(conn)
+    assert alert["run_id"] == failed and alert["delivered_at"] is None
+    assert "unreachable" in alert["last_error"]
+
+
+def test_outbox__the_reapers_failure_writes_the_alert_in_its_own_transaction(
+        conn: psycopg.Connection, dsn: str) -> None:
+    run_id = runpool.enqueue(conn, "acme", "sleep", max_attempts=1)
+
+    async def take() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            await claim(c, worker_id=uuid.uuid4(), limit=1, lease_seconds=30)
+    asyncio.run(take())
+    conn.execute("UPDATE runpool.runs SET lease_expires_at = now() - interval '1 second'"
+                 " WHERE id = %s", (run_id,))
+    conn.commit()
+    # Rolled back: no failure, no alert.
+    with conn.transaction(force_rollback=True):
+        assert scalar(conn, QUERIES["reap_expired"]) == 1
+        assert len(_alerts(conn)) == 1
+    assert _alerts(conn) == [] and run_row(conn, run_id)["status"] == "running"
+    assert scalar(conn, QUERIES["reap_expired"]) == 1
+    (alert,) = _alerts(conn)
+    assert (alert["run_id"], alert["reason"], alert["attempts"], alert["tenant"]) == (
+        run_id, "lease_expired", 1, "acme")
+    assert alert["delivered_at"] is None and alert["tries"] == 0
+    # Failing again after a retry is a new alert; staying failed (a no-op update) is not.
+    assert scalar(conn, "SELECT runpool.retry_run(%s)", run_id) == "queued"
+    conn.execute("UPDATE runpool.runs SET status = 'failed', finished_at = now(),"
+                 " error = '\"not an object\"' WHERE id = %s", (run_id,))
+    conn.execute("UPDATE runpool.runs SET status = 'failed' WHERE id = %s", (run_id,))
+    second = _alerts(conn)[1]
+    assert len(_alerts(conn)) == 2 and second["id"] != alert["id"]
+    assert second["reason"] is None
+
+
+def test_outbox__nobody_but_the_trigger_writes_alerts(conn: psycopg.Connection) -> None:
+    for role in ("runpool_api", "runpool_worker"):
+        with conn.transaction(force_rollback=True):
+            conn.execute(psycopg.sql.SQL("SET LOCAL ROLE {}").format(psycopg.sql.Identifier(role)))
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("INSERT INTO runpool.alerts (run_id, tenant, handler, attempts)"
+                             " VALUES (gen_random_uuid(), 't', 'h', 1)")
+
+
+def test_document__slack_text_escapes_what_callers_wrote() -> None:
+    alert = Alert(id="a1", run_id="r1", tenant="<!channel> & co", handler="h<x>",
+                  reason="handler_failed", message="see <http://evil|here>", attempts=1,
+                  tries=1, failed_at="2026-11-30T00:00:00+00:00")
+    doc = alert.document()
+    assert KEYS <= set(doc) and doc["tenant"] == "<!channel> & co"
+    assert "<" not in doc["text"] and "&lt;!channel&gt; &amp; co" in doc["text"]
+    assert "1 attempt)" in doc["text"]
+
+
+def test_backoff__grows_and_is_capped() -> None:
+    assert 0.5 <= backoff_seconds(1) <= 1.0
+    assert 4 <= backoff_seconds(4) <= 8
+    assert 150 <= backoff_seconds(40) <= 300
