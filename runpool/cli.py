@@ -187,6 +187,8 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="SECONDS", help="refresh in place every SECONDS (default 2)")
     p.add_argument("--window", type=float, default=3600,
                    help="seconds of finished runs the percentiles cover (default 3600)")
+    p.add_argument("--xmin-warn", type=float, default=60.0, metavar="SECONDS",
+                   help="warn about a snapshot (xmin) held longer than this (default 60)")
 
     p = sub.add_parser("schedules", help="every schedule, with its next fire times")
     _add_settings_flags(p, db_only)
@@ -430,12 +432,13 @@ def _status(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     from .status import collect, render
 
     if args.watch is None:
-        report = collect(conn, window_seconds=args.window)
+        report = collect(conn, window_seconds=args.window, xmin_warn_seconds=args.xmin_warn)
         print(json.dumps(report) if args.json else render(report))
         return 0
     try:
         while True:
-            screen = render(collect(conn, window_seconds=args.window))
+            screen = render(collect(conn, window_seconds=args.window,
+                                    xmin_warn_seconds=args.xmin_warn))
             # Home the cursor and clear: the view refreshes in place.
             print("\x1b[H\x1b[2J" + screen, flush=True)
             time.sleep(max(args.watch, 0.2))

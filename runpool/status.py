@@ -12,6 +12,8 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import dict_row
 
+from . import health
+
 __all__ = ["STATUSES", "collect", "history", "render", "render_history", "render_schedules",
            "schedules"]
 
@@ -121,7 +123,8 @@ def _rows(conn: psycopg.Connection[Any], query: Any, params: dict[str, Any] | No
 
 
 def collect(conn: psycopg.Connection[Any], *, window_seconds: float = 3600,
-            limit: int = 20) -> dict[str, Any]:
+            limit: int = 20, xmin_warn_seconds: float = health.XMIN_WARN_SECONDS
+            ) -> dict[str, Any]:
     """Everything `status` shows, as one JSON-ready document."""
     totals = dict.fromkeys(STATUSES, 0)
     tenants: dict[str, dict[str, int]] = {}
@@ -148,6 +151,7 @@ def collect(conn: psycopg.Connection[Any], *, window_seconds: float = 3600,
         "connections": _rows(conn, CONNECTIONS),
         "serial_backlog": _rows(conn, SERIAL_BACKLOG),
         "usage": _usage(conn, window_seconds),
+        "health": health.collect(conn, xmin_warn_seconds=xmin_warn_seconds),
     }
 
 
@@ -166,6 +170,8 @@ def _fmt(seconds: Any) -> str:
 def render(report: dict[str, Any]) -> str:
     out = ["runs: " + "  ".join(f"{s} {report['totals'][s]}" for s in STATUSES)
            + f"  (stuck {report['stuck']})"]
+    if "health" in report:
+        out += health.render(report["health"])
     if report["tenants"]:
         out += ["", f"{'tenant':<24}" + "".join(f"{s:>11}" for s in STATUSES)]
         for tenant, counts in report["tenants"].items():
