@@ -214,6 +214,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--soak", type=float, metavar="MINUTES", default=None,
                    help="instead: soak a pool under random faults, then check every invariant")
     p.add_argument("--seed", type=int, default=None, help="the soak's random seed")
+    p.add_argument("--bloat", action="store_true",
+                   help="with --soak: the long-lived mode (retention, sizes, claim latency)")
+    p.add_argument("--retention", type=float, default=60.0, metavar="SECONDS",
+                   help="--bloat: the pool's retention (default 60)")
+    p.add_argument("--every", type=float, default=60.0, metavar="SECONDS",
+                   help="--bloat: seconds between two report lines (default 60)")
+    p.add_argument("--pin-xmin", type=float, default=0.0, metavar="SECONDS",
+                   help="--bloat: hold a snapshot open this long from a third of the way in")
+    p.add_argument("--max-runs", type=int, default=None, help="--bloat: stop after this many")
+    p.add_argument("--plot", metavar="PATH", help="--bloat: write the curves (PNG and CSV)")
     return parser
 
 
@@ -245,6 +255,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .harness.demo import run_demo
 
         return run_demo(settings, runs=args.runs)
+    if args.command == "bench" and args.soak is not None and args.bloat:
+        from .harness.bloat import run_bloat_soak
+
+        return run_bloat_soak(settings, args.soak, retention=args.retention, every=args.every,
+                              pin_xmin=args.pin_xmin, max_runs=args.max_runs, plot=args.plot)
     if args.command == "bench" and args.soak is not None:
         from .harness.soak import run_soak
 
