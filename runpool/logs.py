@@ -17,8 +17,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any, Final
 
@@ -39,14 +38,20 @@ _FIELDS: Final = ("action", "run_id", "worker_id", "tenant", "attempt", "handler
 _run: ContextVar[Mapping[str, Any] | None] = ContextVar("runpool_run_log", default=None)
 
 
-@contextmanager
-def run_log_context(**fields: Any) -> Iterator[None]:
-    """Records made inside this block (in this task, and what it starts) carry `fields`."""
-    token = _run.set(fields)
-    try:
-        yield
-    finally:
-        _run.reset(token)
+class run_log_context:
+    """Records made inside this block (in this task, and what it starts) carry `fields`.
+    A class, not a generator: it is entered once per run, on the hot path."""
+
+    __slots__ = ("_fields", "_token")
+
+    def __init__(self, **fields: Any) -> None:
+        self._fields = fields
+
+    def __enter__(self) -> None:
+        self._token = _run.set(self._fields)
+
+    def __exit__(self, *exc: object) -> None:
+        _run.reset(self._token)
 
 
 class RunContextFilter(logging.Filter):

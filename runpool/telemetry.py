@@ -259,6 +259,8 @@ def run_context(run_id: uuid.UUID, traceparent: str | None) -> otel_context.Cont
 
 def trace_id_of(run_id: uuid.UUID, traceparent: str | None) -> str:
     """The run's trace id as 32 hex digits (its logs carry it even with tracing off)."""
+    if not traceparent:
+        return run_id.hex  # run_context's derived trace (the common case, kept cheap)
     span = trace.get_current_span(run_context(run_id, traceparent)).get_span_context()
     return format(span.trace_id, "032x")
 
