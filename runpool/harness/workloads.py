@@ -1,5 +1,5 @@
-"""The benchmark workloads (W1-W16, Wcommits; W14 is wait_bench's, W1p, W16 and Wcommits
-host_workloads'); `python -m runpool bench` runs them."""
+"""The benchmark workloads (W1-W17, Wcommits; W14 is wait_bench's, W1p, W16 and Wcommits
+host_workloads', W17 ops_workloads'); `python -m runpool bench` runs them."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from .measure import (
     percentile,
     wait_until,
 )
+from .ops_workloads import w17_purge
 
 __all__ = ["WORKLOADS"]
 
@@ -451,4 +452,5 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W16": w16_many_claimers,
     "W16t": lambda server: w16_many_claimers(server, tenants=16),
     "Wcommits": wcommits,
+    "W17": w17_purge,
 }
