@@ -15,7 +15,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import dict_row
 
-__all__ = ["XMIN_WARN_SECONDS", "collect", "render"]
+__all__ = ["XMIN_WARN_SECONDS", "collect", "render", "xmin_warnings"]
 
 # A snapshot held this long is worth a warning: runpool's own transactions last milliseconds.
 XMIN_WARN_SECONDS: Final = 60.0
@@ -79,14 +79,28 @@ def _warning(holder: str, held_s: float | None, xid_age: int) -> str:
     return f"xmin held by {holder} for {held} — vacuum cannot clean the queue"
 
 
+def _xmin_warnings(sessions: list[dict[str, Any]], others: list[dict[str, Any]]) -> list[str]:
+    return ([_warning(f"pid {s['pid']}", s["held_s"], s["xid_age"]) for s in sessions]
+            + [_warning(o["holder"], o["held_s"], o["xid_age"]) for o in others])
+
+
+async def xmin_warnings(aconn: psycopg.AsyncConnection[Any],
+                        xmin_warn_seconds: float | None = None) -> list[str]:
+    """The pinned-xmin warnings alone, for the console (XMIN_WARN_SECONDS by default)."""
+    params = {"min_s": XMIN_WARN_SECONDS if xmin_warn_seconds is None else xmin_warn_seconds}
+    cur = aconn.cursor(row_factory=dict_row)
+    sessions = await (await cur.execute(XMIN_SESSIONS, params)).fetchall()
+    others = await (await cur.execute(XMIN_OTHERS, params)).fetchall()
+    return _xmin_warnings(sessions, others)
+
+
 def collect(conn: psycopg.Connection[Any], *,
             xmin_warn_seconds: float = XMIN_WARN_SECONDS) -> dict[str, Any]:
     """The health part of `status --json`."""
     params = {"min_s": xmin_warn_seconds}
     sessions = _rows(conn, XMIN_SESSIONS, params)
     others = _rows(conn, XMIN_OTHERS, params)
-    warnings = [_warning(f"pid {s['pid']}", s["held_s"], s["xid_age"]) for s in sessions]
-    warnings += [_warning(o["holder"], o["held_s"], o["xid_age"]) for o in others]
+    warnings = _xmin_warnings(sessions, others)
     tables = {r.pop("table"): r for r in _rows(conn, TABLES)}
     for row in tables.values():
         if row["vacuumed_at"] is not None:

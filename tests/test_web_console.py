@@ -194,3 +194,25 @@ def test_console_dead_letters__pages_cover_every_run_once_when_many_share_a_fini
             assert {uuid.UUID(s) for s in seen} == expected
         bad = client.get("/dead?before_id=nope")
         assert bad.status_code == 400 and "before_id" in bad.json()["error"]
+
+
+def test_console__warns_of_a_session_pinning_xmin(dsn: str, conn: Any,
+                                                  monkeypatch: Any) -> None:
+    from runpool import health
+    from runpool.db import connect
+
+    monkeypatch.setattr(health, "XMIN_WARN_SECONDS", 0.2)
+    with serving(create_app(dsn)) as url, httpx.Client(base_url=url, timeout=20) as client:
+        assert 'data-warning="xmin"' not in client.get("/").text
+        with connect(dsn) as holder:
+            holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT count(*) FROM runpool.runs")
+            pid = holder.info.backend_pid
+            page = wait_for(lambda: next((t for t in [client.get("/").text]
+                                          if "xmin held" in t), None),
+                            what="the console's warning")
+            (warning,) = re.findall(r'data-warning="xmin">(.*?)</p>', page)
+            assert warning.startswith(f"xmin held by pid {pid} for ")
+            assert warning.endswith("vacuum cannot clean the queue")
+            holder.rollback()
+        assert 'data-warning="xmin"' not in client.get("/").text

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from runpool import health
 from runpool.errors import InvalidInput
 from runpool.live import TERMINAL
 
@@ -100,11 +101,13 @@ async def tenants(request: Request) -> Response:
         rows = await web.rows(conn, "tenants", {"after": after, "limit": PAGE_ROWS,
                                                 "cap": TENANT_CAP, "failed_cap": FAILED_CAP})
         workers = await web.rows(conn, "live_workers", {})
+        # A snapshot held for minutes stops vacuum of the whole queue: said first thing.
+        warnings = await health.xmin_warnings(conn)
     for row in rows:
         row["wait_p95_s"] = web.tally.wait_p95(row["tenant"])
     more = rows[-1]["tenant"] if len(rows) == PAGE_ROWS else None
     return _page(request, "tenants.html", tenants=rows, workers=workers[0], after=after,
-                 more=more, cap=TENANT_CAP, failed_cap=FAILED_CAP)
+                 more=more, cap=TENANT_CAP, failed_cap=FAILED_CAP, warnings=warnings)
 
 
 async def in_flight(request: Request) -> Response:
