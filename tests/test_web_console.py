@@ -208,9 +208,9 @@ def test_console__warns_of_a_session_pinning_xmin(dsn: str, conn: Any,
             holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             holder.execute("SELECT count(*) FROM runpool.runs")
             pid = holder.info.backend_pid
-            page = wait_for(lambda: next((t for t in [client.get("/").text]
-                                          if "xmin held" in t), None),
-                            what="the console's warning")
+            page: str = wait_for(lambda: next((t for t in [client.get("/").text]
+                                               if "xmin held" in t), ""),
+                                 what="the console's warning")
             (warning,) = re.findall(r'data-warning="xmin">(.*?)</p>', page)
             assert warning.startswith(f"xmin held by pid {pid} for ")
             assert warning.endswith("vacuum cannot clean the queue")
