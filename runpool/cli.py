@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from . import __version__, faults, telemetry
+from . import __version__, faults, otel_setup
 from .db import connect, translate_error
 from .embedded import resolve_dsn
 from .errors import AppNotFound, InvalidInput, RunpoolError
@@ -297,7 +297,7 @@ def _run(settings: Settings) -> int:
 
     app = load_app(settings.app)
     # OTEL_* settings no worker could build are refused here, once, not in every worker.
-    telemetry.check_env()
+    otel_setup.check_env()
     if faults.armed():  # parsed here so a malformed spec is refused before any fork
         print(f"runpool: fault points armed: {', '.join(sorted(faults.armed()))}",
               file=sys.stderr)

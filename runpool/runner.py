@@ -13,7 +13,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import checkpoints
 
-from . import costs, outcomes, telemetry
+from . import costs, metrics, outcomes, telemetry
 from .app import App
 from .claiming import ClaimedRun
 from .context import Run
@@ -32,6 +32,10 @@ __all__ = ["SlotRunner"]
 
 # The stops that end the run here (recorded by this worker), unlike a lost lease or a drain.
 ENDING = frozenset({StopReason.CANCELLED, StopReason.TIMEOUT, StopReason.DEADLINE})
+# An attempt's outcome as metrics name it: the status its outcome left the run in ('queued':
+# a retry is due).
+_RECORDED = {"succeeded": "succeeded", "failed": "failed", "cancelled": "cancelled",
+             "queued": "retry"}
 
 # The worker's logger: a slot's story is the worker's (operators filter on one name).
 logger = logging.getLogger("runpool.worker")
@@ -78,6 +82,7 @@ class SlotRunner:
 
     async def _execute(self, slot: Slot) -> None:
         c = slot.claimed
+        metrics.attempt_started(c.handler)
         # Every record made in this run's task and threads (the handler's own loggers' too)
         # says which run it belongs to (see runpool.logs).
         with run_log_context(**slot.extra, attempt=c.attempt, handler=c.handler,
@@ -90,6 +95,7 @@ class SlotRunner:
                 await self._execute_traced(slot, span)
 
     async def _execute_traced(self, slot: Slot, span: Any) -> None:
+        started = asyncio.get_running_loop().time()
         try:
             try:
                 outcome = await self._call(slot)
@@ -112,6 +118,9 @@ class SlotRunner:
                 slot.finish()
                 status = await self._outcomes.submit(
                     outcome, serial=slot.claimed.serial_key is not None)
+                metrics.attempt_ended(
+                    slot.claimed.handler, _RECORDED.get(status or "", "not_recorded"),
+                    asyncio.get_running_loop().time() - started)
                 if status == "queued":
                     # Our own retry is due after its backoff: look again then, not at the poll.
                     asyncio.get_running_loop().call_later(outcome.retry_delay, self._wake)

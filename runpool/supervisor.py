@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from types import FrameType
 
-from . import telemetry
+from . import otel_setup
 from .app import App, load_app
 from .errors import SchemaOutOfDate, UsageError, WorkerFailed
 from .exits import EXIT_CONFIG, EXIT_ORPHANED, EXIT_STUCK
@@ -92,9 +92,9 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
             timer.start()
 
         loop.add_reader(parent_fd, on_parent_gone)
-    # This process is the pool's own, so it may install a global tracer provider (built from
-    # OTEL_*), which the pool then uses; it flushes it, bounded, on the way out.
-    provider = telemetry.provider_from_env(pool.worker_id)
+    # This process is the pool's own, so it may install global tracer and meter providers
+    # (built from OTEL_*), which the pool then uses; it flushes them, bounded, on the way out.
+    providers = otel_setup.from_env(pool.worker_id)
     try:
         await pool.start()
         await pool.wait()
@@ -103,7 +103,7 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
             return pool.exit_code  # a stuck handler thread: only this exit ends it
         raise
     finally:
-        await asyncio.to_thread(telemetry.shutdown_provider, provider)
+        await asyncio.to_thread(providers.shutdown)
     return 0
 
 

@@ -13,11 +13,9 @@ The tracer in use is a context variable set when a worker starts: every task the
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Final
@@ -34,21 +32,14 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
-from .errors import InvalidInput
-
 __all__ = [
     "Status",
     "StatusCode",
     "activate",
     "agent_span",
-    "build_provider",
-    "check_env",
     "enabled",
-    "exporters",
     "process_span",
-    "provider_from_env",
     "run_context",
-    "shutdown_provider",
     "trace_id_of",
 ]
 
@@ -96,151 +87,6 @@ def activate(provider: trace.TracerProvider | None) -> None:
         _tracer.set(None)
         return
     _tracer.set(chosen.get_tracer("runpool"))
-
-
-# OTEL_TRACES_EXPORTER values runpool builds (as the SDK's auto-configuration names them).
-EXPORTERS: Final = ("otlp", "console", "none")
-PROTOCOLS: Final = ("http/protobuf", "grpc")
-# Our export timeout when OTEL_EXPORTER_OTLP_(TRACES_)TIMEOUT is unset (the SDK's is 10 s): a
-# collector that is down or hangs must not hold up a worker's exit for long.
-DEFAULT_EXPORT_TIMEOUT: Final = 3.0
-
-
-def _env(environ: Mapping[str, str], *names: str) -> str | None:
-    """The first of `names` set to something non-blank (signal-specific variables first)."""
-    for name in names:
-        value = environ.get(name, "").strip()
-        if value:
-            return value
-    return None
-
-
-def exporters(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The span exporters the OTEL_* variables ask for; () when tracing is off.
-
-    OTEL_TRACES_EXPORTER is read as the SDK reads it (a comma-separated list, `none` for
-    nothing). Unset, it is `otlp` once an OTLP endpoint is configured and nothing otherwise,
-    so a pool started without any telemetry configuration does not retry exports to a
-    collector nobody runs. Raises InvalidInput naming the variable for what it cannot build.
-    """
-    env = os.environ if environ is None else environ
-    if (_env(env, "OTEL_SDK_DISABLED") or "").lower() == "true":
-        return ()
-    raw = _env(env, "OTEL_TRACES_EXPORTER")
-    if raw is None:
-        endpoint = _env(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-        return ("otlp",) if endpoint else ()
-    names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
-    unknown = [n for n in names if n not in EXPORTERS]
-    if unknown:
-        raise InvalidInput(f"OTEL_TRACES_EXPORTER: unknown exporter(s) {unknown}; runpool"
-                           f" builds {', '.join(EXPORTERS)}")
-    return tuple(n for n in names if n != "none")
-
-
-def protocol(environ: Mapping[str, str] | None = None) -> str:
-    """The OTLP protocol for traces (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, then
-    OTEL_EXPORTER_OTLP_PROTOCOL, default http/protobuf); InvalidInput for another one, or for
-    grpc without its exporter installed."""
-    env = os.environ if environ is None else environ
-    chosen = (_env(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-              or "http/protobuf").lower()
-    if chosen not in PROTOCOLS:
-        raise InvalidInput(f"OTEL_EXPORTER_OTLP_PROTOCOL: {chosen!r} is not supported; use"
-                           f" {' or '.join(PROTOCOLS)}")
-    package = _EXPORTER_PACKAGES[chosen]
-    if not _installed(package.replace("-", ".")):
-        raise InvalidInput(f"OTEL_EXPORTER_OTLP_PROTOCOL={chosen} needs the {package} package:"
-                           " pip install 'runpool[otlp]'")
-    return chosen
-
-
-_EXPORTER_PACKAGES: Final = {"grpc": "opentelemetry-exporter-otlp-proto-grpc",
-                             "http/protobuf": "opentelemetry-exporter-otlp-proto-http"}
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        return False
-
-
-def check_env(environ: Mapping[str, str] | None = None) -> None:
-    """Refuse OTEL_* settings no worker could build, before any worker is forked (the
-    supervisor imports nothing of the exporters: checking never starts a thread)."""
-    if "otlp" in exporters(environ):
-        protocol(environ)
-
-
-def _span_exporter(name: str, env: Mapping[str, str]) -> Any:
-    if name == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-        return ConsoleSpanExporter()
-    # The SDK reads the endpoint, headers, certificates, compression and timeout from the
-    # environment itself; runpool only shortens the timeout when none is configured.
-    timeout = (None if _env(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
-               else DEFAULT_EXPORT_TIMEOUT)
-    if protocol(env) == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcExporter,
-        )
-
-        return GrpcExporter(timeout=timeout)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter(timeout=timeout)
-
-
-def build_provider(worker_id: uuid.UUID) -> Any:
-    """An SDK tracer provider for one worker process, built from the OTEL_* variables as the
-    SDK defines them; None when tracing is off. Not installed (see provider_from_env)."""
-    env = os.environ
-    names = exporters(env)
-    if not names:
-        return None
-    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    # OTEL_SERVICE_NAME, then OTEL_RESOURCE_ATTRIBUTES' service.name (the SDK's detector
-    # applies that order), then "runpool"; what the operator set is never overridden.
-    given = OTELResourceDetector().detect().attributes
-    ours: dict[str, Any] = {"service.name": "runpool", "service.instance.id": str(worker_id),
-                            "process.pid": os.getpid()}
-    resource = Resource.create({k: v for k, v in ours.items() if k not in given})
-    # shutdown_on_exit=False: we flush explicitly, bounded, and os._exit skips atexit anyway.
-    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-    for name in names:
-        provider.add_span_processor(BatchSpanProcessor(_span_exporter(name, env)))
-    return provider
-
-
-def provider_from_env(worker_id: uuid.UUID) -> Any:
-    """For a worker process that owns its process: build_provider's provider, installed
-    globally (so spans the handlers start themselves go to the same exporters); else None.
-    A setting it cannot build is logged and tracing stays off: the supervisor refused it
-    already (check_env), so this only happens to a process started some other way."""
-    try:
-        provider = build_provider(worker_id)
-    except InvalidInput as exc:
-        logger.error("tracing is off: %s", exc, extra={"action": "tracing_unavailable"})
-        return None
-    if provider is not None:
-        trace.set_tracer_provider(provider)
-    return provider
-
-
-def shutdown_provider(provider: Any, timeout_seconds: float = 5.0) -> None:
-    """Flush and shut down a provider built by provider_from_env (bounded)."""
-    if provider is None:
-        return
-    try:
-        provider.force_flush(timeout_millis=int(timeout_seconds * 1000))
-        provider.shutdown()
-    except Exception as exc:  # never let telemetry break an exit
-        logger.warning("tracing shutdown: %s", exc, extra={"action": "tracing_shutdown_failed"})
 
 
 def run_context(run_id: uuid.UUID, traceparent: str | None) -> otel_context.Context:

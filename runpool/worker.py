@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from . import telemetry
+from . import metrics, telemetry
 from .alerts import AlertSender
 from .app import App
 from .cancellation import Canceller
@@ -101,6 +101,8 @@ class Worker:
         """Work until `stop` (drain: finish or release in-flight runs) or `abort` (release now)."""
         s = self.settings
         telemetry.activate(self.tracer_provider)
+        metrics.activate(None, worker_id=self.id, busy=lambda: len(self.slots),
+                         capacity=s.concurrency)
         self._pool = await open_pool(
             self.dsn, size=s.connections, name=application_name(f"runpool-{os.getpid()}"),
             stateless=s.stateless)
@@ -276,6 +278,7 @@ class Worker:
                 claimed = await claim(conn, limit=limit, **self._claim_options())
         finally:
             self._reserved -= limit
+        metrics.claimed(time.monotonic() - sent)
         return [(c, sent) for c in claimed]
 
     # -- refill: claims riding on the outcome writer's transaction (see OutcomeWriter) ---------

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -39,7 +43,12 @@ class Receiver:
 
     mode: str = "ok"
     spans: list[ReceivedSpan] = field(default_factory=list)
+    # Trace export requests (metrics are counted apart, in metric_requests).
     requests: int = 0
+    metric_requests: int = 0
+    # (metric name, data point attributes, value) in arrival order; a histogram's value is
+    # its count.
+    points: list[tuple[str, dict[str, Any], float]] = field(default_factory=list)
     # mode 'hang': how long each client waited before it gave up (closed its connection).
     waited: list[float] = field(default_factory=list)
     _closing: threading.Event = field(default_factory=threading.Event)
@@ -50,6 +59,14 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path.endswith("/v1/metrics"):
+                    receiver.decode_metrics(ExportMetricsServiceRequest.FromString(body))
+                    reply = ExportMetricsServiceResponse().SerializeToString()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
                 receiver.requests += 1
                 if receiver.mode == "hang":
                     receiver._hang(self.connection)
@@ -90,6 +107,23 @@ class Receiver:
 
     def _decode(self, body: bytes) -> None:
         self.decode(ExportTraceServiceRequest.FromString(body))
+
+    def decode_metrics(self, request: ExportMetricsServiceRequest) -> None:
+        self.metric_requests += 1
+        for resource_metrics in request.resource_metrics:
+            for scope_metrics in resource_metrics.scope_metrics:
+                for m in scope_metrics.metrics:
+                    kind = m.WhichOneof("data")
+                    for p in getattr(m, kind).data_points:
+                        attributes = {a.key: _value(a.value) for a in p.attributes}
+                        value = (p.count if kind == "histogram"
+                                 else p.as_int if p.WhichOneof("value") == "as_int"
+                                 else p.as_double)
+                        self.points.append((m.name, attributes, float(value)))
+
+    def latest(self, name: str) -> dict[tuple[tuple[str, Any], ...], float]:
+        """Each attribute set's last value of a metric (cumulative temporality: the total)."""
+        return {tuple(sorted(a.items())): v for n, a, v in self.points if n == name}
 
     def decode(self, request: ExportTraceServiceRequest) -> None:
         for resource_spans in request.resource_spans:

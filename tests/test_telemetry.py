@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import runpool
-from runpool import telemetry
+from runpool import otel_setup
 from runpool.errors import InvalidInput
 from tests.helpers import (
     ROOT,
@@ -204,7 +204,7 @@ def test_service_name__precedence(monkeypatch: pytest.MonkeyPatch, env: dict[str
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    provider = telemetry.build_provider(uuid.uuid4())
+    provider = otel_setup.build_provider(uuid.uuid4())
     try:
         assert provider.resource.attributes["service.name"] == expected
     finally:
@@ -243,13 +243,57 @@ def test_pool__refuses_otel_settings_it_cannot_build_before_forking(
 
 
 def test_exporters__as_the_sdk_reads_the_variable() -> None:
-    assert telemetry.exporters({}) == ()
-    assert telemetry.exporters({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == ("otlp",)
-    assert telemetry.exporters({"OTEL_TRACES_EXPORTER": "none",
+    assert otel_setup.exporters({}) == ()
+    assert otel_setup.exporters({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == ("otlp",)
+    assert otel_setup.exporters({"OTEL_TRACES_EXPORTER": "none",
                                 "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == ()
-    assert telemetry.exporters({"OTEL_TRACES_EXPORTER": "OTLP,console,otlp"}) == (
+    assert otel_setup.exporters({"OTEL_TRACES_EXPORTER": "OTLP,console,otlp"}) == (
         "otlp", "console")
-    assert telemetry.exporters({"OTEL_SDK_DISABLED": "true",
+    assert otel_setup.exporters({"OTEL_SDK_DISABLED": "true",
                                 "OTEL_TRACES_EXPORTER": "console"}) == ()
     with pytest.raises(InvalidInput, match="OTEL_TRACES_EXPORTER"):
-        telemetry.exporters({"OTEL_TRACES_EXPORTER": "jaeger"})
+        otel_setup.exporters({"OTEL_TRACES_EXPORTER": "jaeger"})
+
+
+def test_worker_metrics__exported_over_otlp_by_handler_and_outcome(
+        conn: psycopg.Connection, dsn: str, receiver: Receiver) -> None:
+    endpoint = receiver.start()
+    ok = [runpool.enqueue(conn, "acme", "noop") for _ in range(5)]
+    refused = runpool.enqueue(conn, "acme", "fails")
+    flaky = runpool.enqueue(conn, "acme", "flaky", {"fail_times": 1})
+    env = {**_otel(endpoint), "OTEL_METRIC_EXPORT_INTERVAL": "200"}
+    with running_pool(dsn, env=env, concurrency=2, retry_backoff_seconds=0.1) as pool:
+        wait_for(lambda: all(run_row(conn, r)["status"] in ("succeeded", "failed")
+                             for r in [*ok, refused, flaky]), what="runs done")
+        finished = "runpool.runs.finished"
+        expected = {(("runpool.handler", "noop"), ("runpool.run.outcome", "succeeded")): 5.0,
+                    (("runpool.handler", "fails"), ("runpool.run.outcome", "failed")): 1.0,
+                    (("runpool.handler", "flaky"), ("runpool.run.outcome", "retry")): 1.0,
+                    (("runpool.handler", "flaky"), ("runpool.run.outcome", "succeeded")): 1.0}
+        wait_for(lambda: receiver.latest(finished) == expected, timeout=20,
+                 what="the finished counters")
+        assert receiver.latest("runpool.run.attempts.started")[
+            (("runpool.handler", "flaky"),)] == 2.0
+        durations = receiver.latest("runpool.run.duration")
+        assert durations[(("runpool.handler", "noop"), ("runpool.run.outcome", "succeeded"))] == 5
+        assert sum(receiver.latest("runpool.claim.duration").values()) >= 1
+        (worker_id,) = {str(w) for (w,) in conn.execute("SELECT id FROM runpool.workers")}
+        assert receiver.latest("runpool.worker.slots") == {
+            (("runpool.worker.id", worker_id),): 2.0}
+        assert (("runpool.worker.id", worker_id),) in receiver.latest(
+            "runpool.worker.slots.busy")
+        _drained(pool)
+    # No tenant label anywhere: callers choose tenants.
+    assert not any("tenant" in str(a) for _, a, _ in receiver.points)
+
+
+def test_metrics_exporter_none__traces_go_metrics_do_not(
+        conn: psycopg.Connection, dsn: str, receiver: Receiver) -> None:
+    endpoint = receiver.start()
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    env = {**_otel(endpoint), "OTEL_METRIC_EXPORT_INTERVAL": "100",
+           "OTEL_METRICS_EXPORTER": "none"}
+    with running_pool(dsn, env=env) as pool:
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="run done")
+        _drained(pool)
+    assert receiver.requests > 0 and receiver.metric_requests == 0
