@@ -96,8 +96,11 @@ BEGIN
     END IF;
     removed := runpool._purge_batch(older_than, batch_size);
     IF removed < batch_size THEN
+        -- A live worker is seen every heartbeat (a third of its lease); one unseen for an
+        -- hour is gone, whatever a short retention says.
         DELETE FROM runpool.workers w
-        WHERE coalesce(w.stopped_at, w.last_seen_at) < now() - older_than;
+        WHERE coalesce(w.stopped_at, w.last_seen_at)
+              < now() - greatest(older_than, interval '1 hour');
         DELETE FROM runpool.alerts a WHERE a.created_at < now() - older_than;
     END IF;
     UPDATE runpool.maintenance m

@@ -192,6 +192,18 @@ def test_background_purge__pools_take_turns_through_the_backlog_then_purge_what_
     assert turn is not None and turn[0] is not None
     assert "purged" in log
     assert "purge_failed" not in log
+    # The pool's own worker rows outlived the one-second retention: a live worker is kept.
+    assert scalar(conn, "SELECT count(*) FROM runpool.workers") == 2
+
+
+def test_purge_turn__stopped_workers_go_after_an_hour_at_least(conn: psycopg.Connection) -> None:
+    conn.execute("INSERT INTO runpool.workers (id, host, pid, concurrency, last_seen_at,"
+                 " stopped_at) VALUES (gen_random_uuid(), 'h', 1, 1, now() - %s::interval, %s)",
+                 ("2 hours", None))
+    conn.execute("INSERT INTO runpool.workers (id, host, pid, concurrency, last_seen_at)"
+                 " VALUES (gen_random_uuid(), 'h', 2, 1, now() - interval '10 minutes')")
+    assert scalar(conn, "SELECT runpool._purge_turn('1 second', 100, '1 minute')") == 0
+    assert [p for (p,) in conn.execute("SELECT pid FROM runpool.workers")] == [2]
 
 
 def test_purge_turn__another_pools_turn_is_skipped_not_waited_for(
