@@ -29,6 +29,9 @@ class Webhook:
     """A real HTTP receiver: answers 503 to the first `fail_first` posts, then 200."""
 
     fail_first: int = 0
+    # Never answer (until closed): a receiver that hangs.
+    hang: bool = False
+    _closing: threading.Event = field(default_factory=threading.Event)
     posts: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -38,6 +41,11 @@ class Webhook:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if hook.hang:
+                    with hook._lock:
+                        hook.posts.append((0, doc))
+                    hook._closing.wait(60)
+                    return
                 with hook._lock:
                     status = 503 if len(hook.posts) < hook.fail_first else 200
                     hook.posts.append((status, doc))
@@ -55,6 +63,7 @@ class Webhook:
         return f"http://127.0.0.1:{self._server.server_address[1]}/hooks/runpool"
 
     def close(self) -> None:
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -124,6 +133,22 @@ def test_webhook__an_unreachable_receiver_backs_off_and_never_slows_the_pool(
     (alert,) = _alerts(conn)
     assert alert["run_id"] == failed and alert["delivered_at"] is None
     assert "unreachable" in alert["last_error"]
+
+
+def test_webhook__a_receiver_that_hangs_holds_only_the_senders_thread(
+        conn: psycopg.Connection, dsn: str, webhook: Webhook) -> None:
+    webhook.hang = True
+    url = webhook.start()
+    failed = runpool.enqueue(conn, "acme", "fails")
+    with running_pool(dsn, alert_webhook=url):
+        wait_for(lambda: webhook.posts, what="the post in flight")
+        # While the post hangs, runs go on, and the failures they make are written.
+        ids = [runpool.enqueue(conn, "acme", "noop") for _ in range(20)]
+        more = runpool.enqueue(conn, "acme", "fails")
+        wait_for(lambda: all(run_row(conn, r)["status"] == "succeeded" for r in ids)
+                 and run_row(conn, more)["status"] == "failed", what="runs go on")
+        assert len(_alerts(conn)) == 2
+    assert [d["run_id"] for _, d in webhook.posts] == [str(failed)]
 
 
 def test_outbox__the_reapers_failure_writes_the_alert_in_its_own_transaction(
