@@ -22,7 +22,8 @@ INSERT INTO runpool.maintenance (task) VALUES ('purge');
 
 -- One batch of the purge: at most batch_size runs that ended before now() - older_than, oldest
 -- first, with every row of theirs (messages and tool calls go by their foreign keys' cascade;
--- events, status events and progress have none, so they are deleted here). SKIP LOCKED: a run
+-- events, status events, progress and the checkpoints' event counters (event_seqs) have none,
+-- so they are deleted here). SKIP LOCKED: a run
 -- someone holds (a retry_run, a reader's FOR SHARE) is left for a later batch, so a purge never
 -- waits for a lock, and the rows it locks are finished runs no claim ever looks at. A row that
 -- stopped being finished under the lock (retry_run won) is re-checked and left alone.
@@ -42,6 +43,8 @@ AS $$
         DELETE FROM runpool.status_events s USING doomed d WHERE s.run_id = d.id
     ), progress AS (
         DELETE FROM runpool.progress p USING doomed d WHERE p.run_id = d.id
+    ), seqs AS (
+        DELETE FROM runpool.event_seqs q USING doomed d WHERE q.run_id = d.id
     ), gone AS (
         DELETE FROM runpool.runs r USING doomed d WHERE r.id = d.id RETURNING 1
     )

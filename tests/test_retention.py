@@ -83,7 +83,7 @@ def test_purge_finished__old_finished_runs_go_with_every_row_of_theirs(
     _age(conn, old)
     before = _rows_of(conn, old)
     assert before["messages"] and before["tool_calls"] and before["run_events"]
-    assert before["status_events"] and before["progress"] == 1
+    assert before["status_events"] and before["progress"] == 1 and before["event_seqs"]
     kept = [recent, queued, running]
     kept_rows = _rows_of(conn, kept)
 
