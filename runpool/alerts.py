@@ -145,6 +145,11 @@ class AlertSender:
                     logger.warning("alert outbox unavailable: %r", exc,
                                    extra={"action": "alerts_failed", **self._log})
                     sent = 0
+                except Exception:
+                    # Alerts are not worth a worker: a bug here is logged, the pool goes on.
+                    logger.exception("alert sender failed; trying again",
+                                     extra={"action": "alerts_failed", **self._log})
+                    sent = 0
                 if sent < BATCH:
                     await asyncio.sleep(POLL_SECONDS * random.uniform(0.75, 1.25))
         finally:
@@ -161,7 +166,9 @@ class AlertSender:
             extra = {"run_id": alert.run_id, "alert_id": alert.id, **self._log}
             try:
                 await loop.run_in_executor(self._executor, post, self._url, alert.document())
-            except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
+            except Exception as exc:
+                # Whatever the receiver did (refused, timed out, answered 500, answered
+                # something that is not HTTP at all): not delivered, tried again later.
                 delay = backoff_seconds(alert.tries)
                 logger.warning("alert %s not delivered (try %d): %s; again in %.1fs", alert.id,
                                alert.tries, _describe(exc), delay,

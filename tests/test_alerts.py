@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from runpool.alerts import Alert, backoff_seconds
 from runpool.claiming import claim
 from runpool.db import aconnect
 from runpool.queries import QUERIES
-from tests.helpers import run_row, running_pool, scalar, wait_for
+from tests.helpers import live_workers, run_row, running_pool, scalar, wait_for
 
 KEYS = {"id", "run_id", "tenant", "handler", "reason", "attempts", "text"}
 
@@ -149,6 +150,43 @@ def test_webhook__a_receiver_that_hangs_holds_only_the_senders_thread(
                  and run_row(conn, more)["status"] == "failed", what="runs go on")
         assert len(_alerts(conn)) == 2
     assert [d["run_id"] for _, d in webhook.posts] == [str(failed)]
+
+
+def test_webhook__a_receiver_answering_garbage_is_retried_and_the_worker_lives(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # Not HTTP at all: http.client raises BadStatusLine, which is no OSError.
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                peer, _ = server.accept()
+            except TimeoutError:
+                continue
+            with peer:
+                peer.recv(65536)
+                peer.sendall(b"garbage\r\n\r\n")
+
+    answering = threading.Thread(target=answer, daemon=True)
+    answering.start()
+    try:
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/"
+        runpool.enqueue(conn, "acme", "fails")
+        with running_pool(dsn, alert_webhook=url) as pool:
+            wait_for(lambda: (_alerts(conn) or [{"tries": 0}])[0]["tries"] >= 2, timeout=20,
+                     what="a retried alert")
+            (worker,) = live_workers(conn)
+            late = runpool.enqueue(conn, "acme", "noop")
+            wait_for(lambda: run_row(conn, late)["status"] == "succeeded", what="runs go on")
+            assert live_workers(conn) == [worker] and "side_task_failed" not in pool.log()
+    finally:
+        stop.set()
+        answering.join(timeout=5)
+        server.close()
+    (alert,) = _alerts(conn)
+    assert alert["delivered_at"] is None and "BadStatusLine" in alert["last_error"]
 
 
 def test_outbox__the_reapers_failure_writes_the_alert_in_its_own_transaction(
