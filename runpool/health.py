@@ -43,6 +43,15 @@ UNION ALL
 SELECT 'replication slot ' || slot_name, NULL, age(coalesce(xmin, catalog_xmin))
 FROM pg_replication_slots WHERE xmin IS NOT NULL
 """
+# Whether anything vacuums runpool's tables: the server's autovacuum switch, and the tables
+# that turned it off for themselves.
+AUTOVACUUM: Final = """
+SELECT current_setting('autovacuum')::boolean AS server,
+       array(SELECT c.relname::text FROM pg_class c
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = 'runpool' AND c.relkind = 'r'
+               AND 'autovacuum_enabled=false' = ANY(c.reloptions) ORDER BY 1) AS tables_off
+"""
 # runpool's tables: size with indexes and TOAST, live and dead tuples, last vacuum.
 TABLES: Final = """
 SELECT c.relname AS table, pg_total_relation_size(c.oid) AS bytes,
@@ -101,6 +110,13 @@ def collect(conn: psycopg.Connection[Any], *,
     sessions = _rows(conn, XMIN_SESSIONS, params)
     others = _rows(conn, XMIN_OTHERS, params)
     warnings = _xmin_warnings(sessions, others)
+    vacuum = _rows(conn, AUTOVACUUM)[0]
+    if not vacuum["server"]:
+        warnings.append("autovacuum is off on this server: nothing removes the queue's dead"
+                        " rows (turn it on, or VACUUM runpool's tables on a schedule)")
+    if vacuum["tables_off"]:
+        warnings.append(f"autovacuum is off for {', '.join(vacuum['tables_off'])}: their dead"
+                        " rows stay until someone runs VACUUM")
     tables = {r.pop("table"): r for r in _rows(conn, TABLES)}
     for row in tables.values():
         if row["vacuumed_at"] is not None:
@@ -114,6 +130,7 @@ def collect(conn: psycopg.Connection[Any], *,
         "warnings": warnings,
         "xmin_holders": [*({"holder": f"pid {s['pid']}", **s} for s in sessions),
                          *others],
+        "autovacuum": vacuum,
         "tables": tables,
         "retention": {k: (v.isoformat() if hasattr(v, "isoformat") else v)
                       for k, v in (retention[0] if retention else {}).items()},

@@ -130,6 +130,8 @@ def run_bloat_soak(settings: Settings, minutes: float, *, retention: float = 60.
             running_pool(dsn, BENCH_APP, workers=2, concurrency=10, poll_seconds=1,
                          retention_seconds=retention, stop="drain") as pool, \
             connect(dsn, autocommit=True) as conn:
+        # Without autovacuum nothing removes dead rows: the soak then shows the growth alone.
+        autovacuum = str(conn.execute("SHOW autovacuum").fetchone()[0])  # type: ignore[index]
         stop, enqueued, pinned = _Stop(), [0], [False]
         samples: list[float] = []
         threads = [threading.Thread(target=_feed, args=(dsn, stop, enqueued, max_runs)),
@@ -168,7 +170,7 @@ def run_bloat_soak(settings: Settings, minutes: float, *, retention: float = 60.
                 t.join(timeout=60)
         log = pool.log()
     errors = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
-    summary = _summary(rows, errors, retention)
+    summary = {**_summary(rows, errors, retention), "server_autovacuum": autovacuum}
     print(json.dumps(summary), file=out, flush=True)
     if plot:
         _plot(rows, Path(plot), out)
