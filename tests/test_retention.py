@@ -217,3 +217,37 @@ def test_purge_turn__another_pools_turn_is_skipped_not_waited_for(
     # Not due again for a minute: the next pool to look does nothing.
     _finished_runs(conn, 1)
     assert scalar(conn, "SELECT runpool._purge_turn('1 day', 100, '1 minute')") is None
+
+
+def test_purge__a_family_goes_once_all_of_it_has_ended(
+        conn: psycopg.Connection, dsn: str) -> None:
+    parent = runpool.enqueue(conn, "acme", "parent", {"children": 2})
+    approval = runpool.enqueue(conn, "acme", "approval")
+    with running_pool(dsn, app="tests.wait_apps:app"):
+        wait_for(lambda: run_row(conn, approval)["status"] == "waiting", what="a wait")
+        assert scalar(conn, "SELECT runpool.signal_run(%s, 'approval', '{\"approved\": true}')",
+                      approval) == "delivered"
+        wait_for(lambda: run_row(conn, parent)["status"] == "succeeded"
+                 and run_row(conn, approval)["status"] == "succeeded", what="runs done")
+    children = [c for (c,) in conn.execute(
+        "SELECT id FROM runpool.runs WHERE parent_id = %s ORDER BY spawn_call_id", (parent,))]
+    family = [parent, approval, *children]
+    before = _rows_of(conn, family)
+    assert before["waits"] and before["signals"] and len(children) == 2
+    _age(conn, family)
+    # A child not finished (say, spawned and not joined): its parent stays, and so does it.
+    conn.execute("UPDATE runpool.runs SET status = 'queued', finished_at = NULL"
+                 " WHERE id = %s", (children[1],))
+    assert scalar(conn, "SELECT runpool.purge_finished(interval '7 days')") == 2
+    assert scalar(conn, "SELECT array_agg(id ORDER BY id) FROM runpool.runs") == sorted(
+        [parent, children[1]])
+    # The parent waiting again (its finished child stays for its join), then everything ends.
+    conn.execute("UPDATE runpool.runs SET status = 'succeeded', finished_at = now() - "
+                 " interval '8 days' WHERE id = %s", (children[1],))
+    conn.execute("UPDATE runpool.runs SET status = 'waiting', finished_at = NULL"
+                 " WHERE id = %s", (parent,))
+    assert scalar(conn, "SELECT runpool.purge_finished(interval '7 days')") == 0
+    conn.execute("UPDATE runpool.runs SET status = 'succeeded', finished_at = now() - "
+                 " interval '8 days' WHERE id = %s", (parent,))
+    assert scalar(conn, "SELECT runpool.purge_finished(interval '7 days')") == 2
+    assert set(_rows_of(conn, family).values()) == {0}

@@ -1,4 +1,4 @@
--- 0013_ops: operations over months (issue 18): retention (purge_finished and the pools'
+-- 0014_ops: operations over months (issue 18): retention (purge_finished and the pools'
 -- background purger), autovacuum settings for a queue, and the dead-letter alert outbox.
 
 -- == Retention ===================================================================================
@@ -22,8 +22,8 @@ INSERT INTO runpool.maintenance (task) VALUES ('purge');
 
 -- One batch of the purge: at most batch_size runs that ended before now() - older_than, oldest
 -- first, with every row of theirs (messages and tool calls go by their foreign keys' cascade;
--- events, status events, progress and the checkpoints' event counters (event_seqs) have none,
--- so they are deleted here). SKIP LOCKED: a run
+-- events, status events, progress, the checkpoints' event counters (event_seqs), durable waits,
+-- signals and join checks have none, so they are deleted here). SKIP LOCKED: a run
 -- someone holds (a retry_run, a reader's FOR SHARE) is left for a later batch, so a purge never
 -- waits for a lock, and the rows it locks are finished runs no claim ever looks at. A row that
 -- stopped being finished under the lock (retry_run won) is re-checked and left alone.
@@ -34,6 +34,13 @@ AS $$
         SELECT r.id FROM runpool.runs r
         WHERE r.finished_at < now() - _purge_batch.older_than
           AND r.status IN ('succeeded', 'failed', 'cancelled')
+          -- A parent stays while a child of its is unfinished (the child may still report
+          -- to it), and a child while its parent is unfinished (the parent may still join
+          -- it and read its result): a family goes once all of it has ended.
+          AND NOT EXISTS (SELECT 1 FROM runpool.runs k
+                          WHERE k.parent_id = r.id AND k.finished_at IS NULL)
+          AND NOT EXISTS (SELECT 1 FROM runpool.runs p
+                          WHERE p.id = r.parent_id AND p.finished_at IS NULL)
         ORDER BY r.finished_at
         LIMIT _purge_batch.batch_size
         FOR UPDATE SKIP LOCKED
@@ -45,6 +52,12 @@ AS $$
         DELETE FROM runpool.progress p USING doomed d WHERE p.run_id = d.id
     ), seqs AS (
         DELETE FROM runpool.event_seqs q USING doomed d WHERE q.run_id = d.id
+    ), waits AS (
+        DELETE FROM runpool.waits w USING doomed d WHERE w.run_id = d.id
+    ), signals AS (
+        DELETE FROM runpool.signals g USING doomed d WHERE g.run_id = d.id
+    ), join_checks AS (
+        DELETE FROM runpool.join_checks j USING doomed d WHERE j.parent_id = d.id
     ), gone AS (
         DELETE FROM runpool.runs r USING doomed d WHERE r.id = d.id RETURNING 1
     )
