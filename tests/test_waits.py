@@ -519,10 +519,14 @@ def test_trace__a_parent_and_its_children_are_one_trace(
     assert resumed.attributes["runpool.run.outcome"] == "succeeded"
     kids = [k for (k,) in conn.execute("SELECT id FROM runpool.runs WHERE parent_id = %s",
                                        (parent,))]
+    # The handler of the attempt that spawned them: its invoke_agent span, in the first
+    # attempt's process span.
+    (agent,) = [s for s in spans if s.name == "invoke_agent parent"
+                and s.parent_span_id == first.span_id]
     for kid in kids:
         span = process[(str(kid), 1)]
         # In the parent's trace, under the attempt that spawned it.
-        assert (span.trace_id, span.parent_span_id) == (trace_id, first.span_id)
+        assert (span.trace_id, span.parent_span_id) == (trace_id, agent.span_id)
     assert {first.trace_id, resumed.trace_id} == {trace_id}
 
 
