@@ -1,6 +1,6 @@
 """Dead-letter alerts: every run that enters 'failed' is posted to RUNPOOL_ALERT_WEBHOOK.
 
-The alert is written by a trigger (migration 0014_ops) into runpool.alerts in the very transaction
+The alert is written by a trigger (migration 0015_ops) into runpool.alerts in the very transaction
 that failed the run, whatever failed it (an outcome, the reaper, a deadline), so it cannot be
 lost between the failure and the post. An AlertSender in each pool with a webhook takes due
 alerts (SKIP LOCKED, each held past its request's timeout so no other sender takes it

@@ -464,7 +464,7 @@ JOIN unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
 WHERE r.status = 'running' AND r.cancel_requested_at IS NOT NULL;
 
 -- name: purge_turn
--- This pool's turn at the background purge (see 0014_ops): NULL when it is not its turn, else
+-- This pool's turn at the background purge (see 0015_ops): NULL when it is not its turn, else
 -- the runs one batch removed.
 SELECT runpool._purge_turn(make_interval(secs => %(older_than)s), %(batch_size)s,
                            make_interval(secs => %(every)s))

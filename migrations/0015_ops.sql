@@ -1,4 +1,4 @@
--- 0014_ops: operations over months (issue 18): retention (purge_finished and the pools'
+-- 0015_ops: operations over months (issue 18): retention (purge_finished and the pools'
 -- background purger), autovacuum settings for a queue, and the dead-letter alert outbox.
 
 -- == Retention ===================================================================================
