@@ -373,7 +373,16 @@ BEGIN
     SELECT * INTO pending FROM runpool.waits x
     WHERE x.run_id = _join_if_done.parent AND x.state = 'pending' AND x.kind = 'join'
       AND EXISTS (SELECT 1 FROM runpool.runs p
-                  WHERE p.id = x.run_id AND p.status = 'waiting');
+                  WHERE p.id = x.run_id AND p.status = 'waiting')
+    FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND AND EXISTS (SELECT 1 FROM runpool.waits x
+                             WHERE x.run_id = _join_if_done.parent AND x.state = 'pending'
+                               AND x.kind = 'join') THEN
+        -- Its wait's row is held by another session (a worker's outcome batch ending a
+        -- child must not wait for it): left to the next claim, as a busy parent row is.
+        INSERT INTO runpool.join_checks (parent_id) VALUES (_join_if_done.parent);
+        RETURN false;
+    END IF;
     IF NOT FOUND OR EXISTS (SELECT 1 FROM runpool.runs k
                             WHERE k.id = ANY(pending.children)
                               AND k.status NOT IN ('succeeded', 'failed', 'cancelled')) THEN
@@ -428,7 +437,9 @@ BEGIN
         JOIN runpool.runs r ON r.id = w.run_id
         WHERE w.state = 'pending' AND w.until <= now() AND r.status = 'waiting'
         ORDER BY w.until LIMIT 1000
-        FOR NO KEY UPDATE OF r SKIP LOCKED) d;
+        -- The wait's row too: a session holding it (a SELECT ... FOR UPDATE left open) must
+        -- not stall every claim of every worker; it is woken by a claim once free.
+        FOR NO KEY UPDATE OF r, w SKIP LOCKED) d;
     IF due IS NOT NULL THEN
         UPDATE runpool.waits w SET
             state = CASE w.kind WHEN 'sleep' THEN 'woke' ELSE 'timed_out' END,
@@ -525,8 +536,48 @@ BEGIN
 END
 $$;
 
--- Cancel a run (latest body: 0008), now also a waiting one at once ('cancelled'), and its
--- unfinished children, recursively.
+-- Cancel one run, the body of cancel_run (latest: 0008) for the run and each of its
+-- descendants, now also a waiting run at once ('cancelled'). Its answer: 'cancelled',
+-- 'cancelling', the status of a run already ended, NULL for no such run.
+CREATE FUNCTION runpool._cancel_one(run_id uuid, reason text) RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    run runpool.runs;
+BEGIN
+    SELECT * INTO run FROM runpool.runs r WHERE r.id = _cancel_one.run_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF run.status IN ('queued', 'waiting') THEN
+        UPDATE runpool.runs r SET
+            status = 'cancelled', finished_at = now(), held = false,
+            cancel_requested_at = now(), cancel_reason = _cancel_one.reason
+        WHERE r.id = run.id;
+        INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
+        VALUES (run.id, 'cancelled', run.attempt, jsonb_build_object('reason', _cancel_one.reason));
+        -- Its wait ends with it (no wake-up is due any more).
+        UPDATE runpool.waits x SET state = 'cancelled', resolved_at = now()
+        WHERE x.run_id = run.id AND x.state = 'pending';
+        RETURN 'cancelled';
+    ELSIF run.status = 'running' THEN
+        IF run.cancel_requested_at IS NULL THEN
+            UPDATE runpool.runs r SET cancel_requested_at = now(), cancel_reason = _cancel_one.reason
+            WHERE r.id = run.id;
+            INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
+            VALUES (run.id, 'cancel_requested', run.attempt, run.worker_id,
+                    jsonb_build_object('reason', _cancel_one.reason));
+        END IF;
+        -- Ids only: the worker re-reads the flag, so a forged notification is harmless.
+        PERFORM pg_notify('runpool_cancel', run.id::text);
+        RETURN 'cancelling';
+    END IF;
+    RETURN run.status;
+END
+$$;
+
+-- Cancel a run (latest body: 0008) and its unfinished descendants.
 CREATE OR REPLACE FUNCTION runpool.cancel_run(run_id uuid, reason text DEFAULT NULL,
                                               tenant text DEFAULT NULL)
 RETURNS text
@@ -535,8 +586,8 @@ SET runpool.release = ''
 AS $$
 #variable_conflict use_column
 DECLARE
-    run runpool.runs;
     answer text;
+    generation uuid[];
 BEGIN
     IF cancel_run.reason IS NOT NULL AND length(cancel_run.reason) > 2000 THEN
         RAISE EXCEPTION 'runpool.cancel_run: reason is longer than 2000 characters'
@@ -547,41 +598,23 @@ BEGIN
     IF NOT runpool._run_of_tenant(cancel_run.run_id, cancel_run.tenant) THEN
         RETURN NULL;
     END IF;
-    SELECT * INTO run FROM runpool.runs r WHERE r.id = cancel_run.run_id FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN NULL;
+    answer := runpool._cancel_one(cancel_run.run_id, cancel_run.reason);
+    IF answer IS NULL OR answer NOT IN ('cancelled', 'cancelling') THEN
+        RETURN answer;
     END IF;
-    IF run.status IN ('queued', 'waiting') THEN
-        UPDATE runpool.runs r SET
-            status = 'cancelled', finished_at = now(), held = false,
-            cancel_requested_at = now(), cancel_reason = cancel_run.reason
-        WHERE r.id = run.id;
-        INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
-        VALUES (run.id, 'cancelled', run.attempt, jsonb_build_object('reason', cancel_run.reason));
-        -- Its wait ends with it (no wake-up is due any more).
-        UPDATE runpool.waits x SET state = 'cancelled', resolved_at = now()
-        WHERE x.run_id = run.id AND x.state = 'pending';
-        answer := 'cancelled';
-    ELSIF run.status = 'running' THEN
-        IF run.cancel_requested_at IS NULL THEN
-            UPDATE runpool.runs r SET cancel_requested_at = now(), cancel_reason = cancel_run.reason
-            WHERE r.id = run.id;
-            INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
-            VALUES (run.id, 'cancel_requested', run.attempt, run.worker_id,
-                    jsonb_build_object('reason', cancel_run.reason));
-        END IF;
-        -- Ids only: the worker re-reads the flag, so a forged notification is harmless.
-        PERFORM pg_notify('runpool_cancel', run.id::text);
-        answer := 'cancelling';
-    ELSE
-        RETURN run.status;
-    END IF;
-    -- The unfinished children, under the parent's lock (a parent marked cancelled spawns
-    -- nothing more). A child's end never waits for its parent's row (see _child_ended), so
-    -- holding the parent while locking its children cannot deadlock with a worker.
-    PERFORM runpool.cancel_run(k.id, cancel_run.reason)
-    FROM runpool.runs k
-    WHERE k.parent_id = run.id AND k.status IN ('queued', 'running', 'waiting');
+    -- The unfinished descendants, one generation at a time, each under its parent's lock (a
+    -- parent marked cancelled spawns nothing more). A loop, not a recursive call per child:
+    -- a chain of spawns (an agent spawning its own handler) may be thousands deep, and a
+    -- recursion that deep ran out of the server's stack, cancelling nothing. A child's end
+    -- never waits for its parent's row (see _child_ended), so holding the parent while
+    -- locking its children cannot deadlock with a worker.
+    generation := ARRAY[cancel_run.run_id];
+    LOOP
+        SELECT array_agg(k.id) INTO generation FROM runpool.runs k
+        WHERE k.parent_id = ANY(generation) AND k.status IN ('queued', 'running', 'waiting');
+        EXIT WHEN generation IS NULL;
+        PERFORM runpool._cancel_one(k.id, cancel_run.reason) FROM unnest(generation) AS k(id);
+    END LOOP;
     RETURN answer;
 END
 $$;
@@ -773,6 +806,7 @@ REVOKE ALL ON FUNCTION
                    interval, timestamptz, jsonb),
     runpool._join_if_done(uuid),
     runpool._child_ended(),
+    runpool._cancel_one(uuid, text),
     runpool.signal_run(uuid, text, jsonb, text)
 FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION runpool.max_stored_signals() TO runpool_api, runpool_worker;

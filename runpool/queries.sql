@@ -80,12 +80,15 @@ WITH due_queued AS (
     FOR UPDATE SKIP LOCKED
 ),
 due_waiting AS (
-    SELECT id
-    FROM runpool.runs
-    WHERE deadline IS NOT NULL AND status = 'waiting' AND deadline <= now()
-    ORDER BY deadline
+    -- With its pending wait's row (a waiting run has one), skipped while another session
+    -- holds it: the sweep runs in every claim, which must not wait for anyone.
+    SELECT r.id
+    FROM runpool.runs r
+    JOIN runpool.waits w ON w.run_id = r.id AND w.state = 'pending'
+    WHERE r.deadline IS NOT NULL AND r.status = 'waiting' AND r.deadline <= now()
+    ORDER BY r.deadline
     LIMIT 1000
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF r, w SKIP LOCKED
 ),
 ended AS (
     UPDATE runpool.runs r SET

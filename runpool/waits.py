@@ -21,7 +21,7 @@ from typing import Any, Final, Protocol, TypeVar
 import psycopg
 
 from . import faults, telemetry
-from .db import dumps, jsonb, translate_error
+from .db import dumps, jsonb, loads_exact, translate_error
 from .enqueue import RunSpec
 from .errors import InvalidInput, LeaseLost, UsageError, WaitTimeout
 from .limits import NAME_MAX_LENGTH
@@ -46,9 +46,10 @@ MAX_SECONDS: Final = 315_576_000.0
 SPAWN_OPTIONS: Final = frozenset({"priority", "run_at", "max_attempts", "timeout", "deadline",
                                   "budget"})
 
-# Commit (or read back) wait number `seq` of this attempt; see migration 0013.
+# Commit (or read back) wait number `seq` of this attempt; see migration 0013. The payload as
+# text, decoded as a run's input is (db.loads_exact): SQL's signal_run stores any jsonb.
 WAIT: Final = """
-SELECT state, payload, until, seconds_left
+SELECT state, payload::text, until, seconds_left
 FROM runpool._wait(%(run_id)s, %(attempt)s, %(seq)s, %(kind)s, %(name)s, %(children)s::uuid[],
                    %(timeout)s, %(stay)s)"""
 # Spawn a child (idempotent per parent and call id; NULL: the attempt lost the run).
@@ -137,7 +138,19 @@ async def commit_wait(conn: psycopg.AsyncConnection[Any], *, run_id: uuid.UUID, 
         raise translate_error(exc) from None
     row = await cur.fetchone()
     assert row is not None, "runpool._wait answers one row"
-    return WaitAnswer(*row)
+    state, text, until, seconds_left = row
+    return WaitAnswer(state, None if text is None else decode_payload(text), until,
+                      seconds_left)
+
+
+def decode_payload(text: str) -> Any:
+    """A signal's payload as the wait returns it: integers beyond 64 bits exact (as a run's
+    input). One no decoder takes (nested past 1,024 levels, which jsonb stores) is InvalidInput:
+    every attempt would read the same consumed payload, so the run fails once, not retried."""
+    try:
+        return loads_exact(text.encode())
+    except ValueError as exc:  # orjson's JSONDecodeError is one
+        raise InvalidInput(f"the signal payload cannot be decoded: {exc}") from None
 
 
 async def spawn(conn: psycopg.AsyncConnection[Any], *, parent: uuid.UUID, attempt: int,

@@ -83,3 +83,10 @@ async def stray_join(run: runpool.Run) -> Any:
 async def bad_wait(run: runpool.Run) -> Any:
     await run.wait_for(run.input["name"], timeout=run.input.get("timeout"))
     return {}
+
+
+@app.handler("signal_repr")
+async def signal_repr(run: runpool.Run) -> Any:
+    """Waits for signal `name`; answers the payload's repr (a result cannot hold every value a
+    payload can: integers beyond 64 bits)."""
+    return {"repr": repr(await run.wait_for(run.input["name"]))}

@@ -1,0 +1,154 @@
+"""Attack on durable waits and child runs (issue 15): a hostile tenant and an unlucky
+operator, on real PostgreSQL (several connections) and real pools. Each test failed on the
+code before its fix (named in the commit that fixed it)."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from typing import Any
+
+import psycopg
+
+import runpool
+import runpool.testing.invariants
+from runpool.queries import QUERIES
+from tests.helpers import run_row, running_pool, scalar, status_of, wait_for
+
+APP = "tests.wait_apps:app"
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+# A chain of `depth` runs, each spawned by the one before and waiting to join it (a handler
+# that spawns its own handler and joins it: a recursive agent), the last one queued. Built in
+# one statement through the worker's own functions, as claims and handlers would.
+CHAIN = """
+DO $$
+DECLARE
+    cur uuid := %(root)s;
+    kid uuid;
+BEGIN
+    FOR i IN 1..%(depth)s LOOP
+        UPDATE runpool.runs SET status = 'running', attempt = 1, started_at = now(),
+            lease_expires_at = now() + interval '1 hour'
+        WHERE id = cur;
+        kid := runpool._spawn(cur, 1, 'again', 'parent');
+        PERFORM runpool._wait(cur, 1, 1, 'join', NULL, ARRAY[kid], NULL, 0);
+        cur := kid;
+    END LOOP;
+END
+$$"""
+
+
+def _violations(conn: psycopg.Connection[Any]) -> list[str]:
+    # Runs moved by hand (no claim, no outcome) lack the events a worker writes.
+    report = runpool.testing.invariants.check(conn, all_terminal=False)
+    return [v for v in report.violations if "events" not in v]
+
+
+def _running(conn: psycopg.Connection[Any], handler: str = "approval") -> uuid.UUID:
+    """A run as a claim leaves it: running, attempt 1, with a lease."""
+    run_id = runpool.enqueue(conn, "acme", handler, {})
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1, started_at = now(),"
+                 " lease_expires_at = now() + interval '1 minute' WHERE id = %s", (run_id,))
+    return run_id
+
+
+def test_cancel_run__a_chain_of_1000_spawned_runs_is_cancelled_whole(
+        conn: psycopg.Connection[Any]) -> None:
+    """A recursive agent (a child spawning its parent's handler) makes a chain as deep as it
+    likes; cancelling its root must cancel all of it (a recursive cascade ran the server out
+    of stack past ~500 levels: 'stack depth limit exceeded', nothing cancelled)."""
+    root = runpool.enqueue(conn, "acme", "parent", {})
+    conn.execute(CHAIN.replace("%(root)s", f"'{root}'").replace("%(depth)s", "1000"))
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE status = 'waiting'") == 1000
+    assert scalar(conn, "SELECT runpool.cancel_run(%s, 'stop the recursion')", root) \
+        == "cancelled"
+    assert list(conn.execute("SELECT status, count(*) FROM runpool.runs GROUP BY 1")) == [
+        ("cancelled", 1001)]
+    assert scalar(conn, "SELECT count(*) FROM runpool.waits WHERE state = 'pending'") == 0
+    assert scalar(conn, "SELECT count(DISTINCT cancel_reason) FROM runpool.runs") == 1
+    assert _violations(conn) == []
+
+
+def test_cancel_run__of_a_middle_run_cancels_below_it_only_and_answers_as_before(
+        conn: psycopg.Connection[Any]) -> None:
+    root = runpool.enqueue(conn, "acme", "parent", {})
+    conn.execute(CHAIN.replace("%(root)s", f"'{root}'").replace("%(depth)s", "4"))
+    chain = [root]
+    for _ in range(4):
+        chain.append(scalar(conn, "SELECT id FROM runpool.runs WHERE parent_id = %s", chain[-1]))
+    # The leaf is claimed (running): it gets a cancel request; a sibling already ended is left.
+    conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1, started_at = now(),"
+                 " lease_expires_at = now() + interval '1 minute' WHERE id = %s", (chain[4],))
+    assert scalar(conn, "SELECT runpool.cancel_run(%s, 'mid', 'globex')", chain[2]) is None
+    assert scalar(conn, "SELECT runpool.cancel_run(%s, 'mid', 'acme')", chain[2]) == "cancelled"
+    # Its parent, joining it, is woken by its end (cancelled is an end); the root still waits.
+    assert [status_of(conn, r) for r in chain] == [
+        "waiting", "queued", "cancelled", "cancelled", "running"]
+    assert run_row(conn, chain[4])["cancel_requested_at"] is not None
+    assert scalar(conn, "SELECT runpool.cancel_run(%s)", chain[2]) == "cancelled"
+    assert scalar(conn, "SELECT runpool.cancel_run(%s)", chain[4]) == "cancelling"
+
+
+def test_a_caller_holding_a_waits_row__claims_and_outcomes_do_not_wait_for_it(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A session holding a pending wait's row (an operator's `SELECT … FOR UPDATE` left open)
+    stalled every claim of every worker (wake_due and the deadline sweep updated that row) and
+    the outcome batch ending a child of a parent joining it. Now they pass it by; the run is
+    woken once the row is free."""
+    timed = _running(conn)
+    assert scalar(conn, "SELECT state FROM runpool._wait(%s, 1, 1, 'signal', 'go', NULL,"
+                        " 0.01, 0)", timed) == "waiting"
+    late = _running(conn)
+    assert scalar(conn, "SELECT state FROM runpool._wait(%s, 1, 1, 'signal', 'go', NULL,"
+                        " NULL, 0)", late) == "waiting"
+    conn.execute("UPDATE runpool.runs SET deadline = now() WHERE id = %s", (late,))
+    parent = _running(conn, "parent")
+    kid = scalar(conn, "SELECT runpool._spawn(%s, 1, 'c0', 'child')", parent)
+    assert scalar(conn, "SELECT state FROM runpool._wait(%s, 1, 1, 'join', NULL, %s, NULL, 0)",
+                  parent, [kid]) == "waiting"
+    wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.waits WHERE until < now()"),
+             what="the timeout passed")
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as worker:
+        holder.execute("SELECT 1 FROM runpool.waits FOR UPDATE")
+        worker.execute("SET lock_timeout = '2s'")
+        # The claim's sweeps (each would have failed with LockNotAvailable after 2 s).
+        assert worker.execute(QUERIES["wake_due"]).fetchall() in ([], [(0,)])
+        worker.execute(QUERIES["expire_deadlines"])
+        # The child's end (a worker's outcome batch).
+        worker.execute("UPDATE runpool.runs SET status = 'succeeded', finished_at = now()"
+                       " WHERE id = %s", (kid,))
+        assert [status_of(conn, r) for r in (timed, late, parent)] == ["waiting"] * 3
+        holder.rollback()
+        assert worker.execute(QUERIES["wake_due"]).fetchone() == (2,)
+        worker.execute(QUERIES["expire_deadlines"])
+    assert [status_of(conn, r) for r in (timed, late, parent)] == ["queued", "failed", "queued"]
+    assert list(conn.execute("SELECT run_id, state FROM runpool.waits ORDER BY state")) == [
+        (late, "cancelled"), (parent, "joined"), (timed, "timed_out")]
+    assert scalar(conn, "SELECT count(*) FROM runpool.join_checks") == 0
+    assert _violations(conn) == []
+
+
+def test_signal_payloads_sent_through_sql__decoded_exactly_or_the_run_fails_once(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    """SQL's signal_run stores any jsonb. A payload nested past the decoder's 1,024 levels was
+    retried until the run's attempts ran out (a JSONDecodeError, reason 'exception'); integers
+    beyond 64 bits came back as floats. Now: decoded as a run's input is (exactly), and a
+    payload no attempt can decode fails the run at once (invalid_input)."""
+    deep = runpool.enqueue(conn, "acme", "approval", {"name": "deep"}, max_attempts=3)
+    big = runpool.enqueue(conn, "acme", "signal_repr", {"name": "big"})
+    conn.execute("SELECT runpool.signal_run(%s, 'deep', (repeat('[', 2000) || repeat(']', 2000))"
+                 "::jsonb)", (deep,))
+    conn.execute("SELECT runpool.signal_run(%s, 'big', '{\"n\": 123456789012345678901234567890}')",
+                 (big,))
+    with running_pool(dsn, app=APP, retry_backoff_seconds=0.1):
+        for run_id in (deep, big):
+            wait_for(functools.partial(lambda r: status_of(conn, r) in TERMINAL, run_id),
+                     timeout=30, what="the run ended")
+    row = run_row(conn, deep)
+    assert (row["status"], row["error"]["reason"], row["attempt"]) == (
+        "failed", "invalid_input", 1), row["error"]
+    assert "signal payload" in row["error"]["message"]
+    row = run_row(conn, big)
+    assert row["status"] == "succeeded", row["error"]
+    assert row["result"] == {"repr": "{'n': 123456789012345678901234567890}"}
