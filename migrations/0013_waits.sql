@@ -201,8 +201,12 @@ BEGIN
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
         IF w.state = 'cancelled' THEN
-            -- Cancelled while it waited, then retried (retry_run): the same wait goes on.
-            UPDATE runpool.waits x SET state = 'pending', resolved_at = NULL
+            -- Left unanswered (cancelled while it waited, past its deadline, or timed out and
+            -- failing the run), then retried (retry_run): the same wait goes on, timed afresh
+            -- from now as the handler asks now (kept, its first deadline had often passed
+            -- already: the retry timed out at once).
+            UPDATE runpool.waits x SET state = 'pending', resolved_at = NULL, since = now(),
+                until = now() + _wait.timeout * interval '1 second'
             WHERE x.run_id = run.id AND x.seq = w.seq
             RETURNING * INTO w;
         ELSIF w.state <> 'pending' THEN
@@ -616,6 +620,61 @@ BEGIN
         PERFORM runpool._cancel_one(k.id, cancel_run.reason) FROM unnest(generation) AS k(id);
     END LOOP;
     RETURN answer;
+END
+$$;
+
+-- Replay a failed or cancelled run (latest body: 0008), now also a run failed by its wait's
+-- timeout (reason wait_timeout): that wait, its last, is left unanswered ('cancelled'), so the
+-- retry waits again (the handler's _wait reopens it) instead of meeting the same timeout.
+CREATE OR REPLACE FUNCTION runpool.retry_run(run_id uuid)
+RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = force_custom_plan
+SET runpool.release = ''
+AS $$
+#variable_conflict use_column
+DECLARE
+    run runpool.runs;
+    step double precision;
+    waits boolean := false;
+    position bigint;
+BEGIN
+    SELECT * INTO run FROM runpool.runs r WHERE r.id = retry_run.run_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF run.status NOT IN ('failed', 'cancelled') THEN
+        RETURN run.status;
+    END IF;
+    IF run.serial_key IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(runpool.serial_key_lock(run.tenant, run.serial_key));
+        position := nextval('runpool.serial_order');
+        waits := current_setting('transaction_isolation') <> 'read committed'
+                 OR EXISTS (SELECT 1 FROM runpool.runs r
+                            WHERE r.tenant = run.tenant AND r.serial_key = run.serial_key
+                              AND r.status IN ('queued', 'running') AND r.id <> run.id);
+    END IF;
+    SELECT aging_seconds INTO step FROM runpool.config;
+    UPDATE runpool.runs r SET
+        status = 'queued', attempt_offset = r.attempt, available_at = clock_timestamp(),
+        rank = runpool.rank(clock_timestamp(), r.priority, step),
+        finished_at = NULL, lease_expires_at = NULL, worker_id = NULL,
+        cancel_requested_at = NULL, cancel_reason = NULL,
+        serial_order = coalesce(position, r.serial_order), held = waits, deferred = false,
+        paused = EXISTS (SELECT 1 FROM runpool.tenants t
+                         WHERE t.tenant = r.tenant AND t.max_running = 0)
+    WHERE r.id = run.id;
+    IF run.status = 'failed' AND run.error ->> 'reason' = 'wait_timeout' THEN
+        -- A WaitTimeout the handler did not catch comes from its last wait (a wait it caught
+        -- stays timed out: the replay goes the same way past it).
+        UPDATE runpool.waits x SET state = 'cancelled'
+        WHERE x.run_id = run.id AND x.state = 'timed_out'
+          AND x.seq = (SELECT max(l.seq) FROM runpool.waits l WHERE l.run_id = run.id);
+    END IF;
+    INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
+    VALUES (run.id, 'retried', run.attempt, jsonb_build_object('from', run.status));
+    PERFORM pg_notify('runpool_wakeup', '');
+    RETURN 'queued';
 END
 $$;
 
