@@ -337,6 +337,16 @@ BEGIN
     IF child IS NOT NULL THEN
         RETURN child;
     END IF;
+    -- parent_id has no foreign key: a child that ended may be deleted (a purge of finished
+    -- runs) while its parent goes on. Spawned again by the resumed parent, it would run twice.
+    -- The parent's own event of the spawn remains (its events go with it): refused instead.
+    IF EXISTS (SELECT 1 FROM runpool.run_events e
+               WHERE e.run_id = run.id AND e.kind = 'spawned'
+                 AND e.detail ->> 'call_id' = _spawn.call_id) THEN
+        RAISE EXCEPTION 'runpool._spawn: the child of call id % was spawned already and has'
+            ' been deleted since (purged after it ended?): spawning it again would run it twice',
+            _spawn.call_id USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF run.cancel_requested_at IS NOT NULL THEN
         RAISE EXCEPTION 'runpool._spawn: run % is being cancelled', run.id
             USING ERRCODE = 'object_not_in_prerequisite_state';

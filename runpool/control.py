@@ -9,7 +9,8 @@ lease taken; the Run reads them to fence what the handler does:
 - `close(why)`: the *_sync methods refuse all work (drain past its grace, a worker exiting);
 - `renew(until)`: the lease may run out at `until` (monotonic): no tool starts past it;
 - `suspend()`: the Run committed a durable wait: the run is 'waiting' and this attempt is over
-  (set by the Run, read by the worker: nothing of the attempt is recorded after it);
+  (set by the Run, read by the worker: nothing of the attempt is recorded after it; the
+  worker's `on_suspend` hears it, to free the slot of a handler that goes on regardless);
 - `threads`: the attempt's threads, which the worker waits for before it frees the slot.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 from .threads import RunThreads
 
@@ -34,6 +36,8 @@ class RunControl:
         self._lost = False
         self._closed: str | None = None
         self._suspended = False
+        # Called once when the attempt suspends (the worker's; None: nobody listens).
+        self.on_suspend: Callable[[], None] | None = None
         # Monotonic time after which the lease may have run out (the worker's lease clock).
         self._lease_until = math.inf
 
@@ -65,6 +69,8 @@ class RunControl:
         self._lost = True
 
     def suspend(self) -> None:
+        if not self._suspended and self.on_suspend is not None:
+            self.on_suspend()
         self._suspended = True
 
     def close(self, why: str) -> None:

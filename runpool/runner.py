@@ -5,6 +5,7 @@ thread that cannot be stopped — freeing its slot."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,7 @@ class SlotRunner:
                     extra={"run_id": str(c.id), "tenant": c.tenant, **self._log})
         if c.due_in is not None:
             slot.due = sent + max(c.due_in, 0.0)
+        control.on_suspend = functools.partial(self._after_suspend, slot)
         self._slots.add(slot)
         slot.start(self._execute(slot))
 
@@ -207,6 +209,24 @@ class SlotRunner:
         if slot.control.cancelled:
             return self._stopped_outcome(slot)
         return outcomes.from_result(c.id, c.attempt, result, max_bytes=s.max_result_bytes)
+
+    def _after_suspend(self, slot: Slot) -> None:
+        asyncio.get_running_loop().call_later(self._settings.cancel_grace_seconds,
+                                              self._linger_check, slot)
+
+    def _linger_check(self, slot: Slot) -> None:
+        """The cancel grace after the attempt committed a wait: a handler still going (it
+        caught Suspended, say in a bare `except:` retry loop) is cancelled and its slot freed,
+        as for a handler outliving a lost lease: the run is 'waiting' (or queued again, or
+        another worker's), every write of this attempt is fenced, and the heartbeat passes a
+        suspended slot by, so nothing else would ever free it."""
+        if not self._slots.holds(slot) or slot.threads_running:
+            return  # ended as it should; a thread cannot be stopped (a plain handler's)
+        logger.error("run %s: the handler went on after its wait was committed (it caught"
+                     " runpool.waits.Suspended); cancelled, its slot is freed",
+                     slot.claimed.id, extra={"action": "slot_forced_free", **slot.extra})
+        slot.abandon(cancel_task=True)
+        self._vacate(slot)
 
     def _suspended(self, slot: Slot) -> Outcome | None:
         """The handler committed a durable wait: the run is 'waiting' in the database (or,

@@ -174,6 +174,11 @@ async def results(conn: psycopg.AsyncConnection[Any], ids: Sequence[uuid.UUID]
     """The ends of joined children, in the given order."""
     cur = await conn.execute(CHILDREN, {"ids": list(ids)})
     ends = {row[0]: RunResult(*row) for row in await cur.fetchall()}
+    gone = [str(one) for one in ids if one not in ends]
+    if gone:
+        # Deleted since they ended (a purge of finished runs): every attempt would miss them.
+        raise InvalidInput(f"join: child run(s) {', '.join(gone[:3])} no longer exist (purged"
+                           " after they ended?): their results cannot be read")
     return [ends[one] for one in ids]
 
 

@@ -152,3 +152,83 @@ def test_signal_payloads_sent_through_sql__decoded_exactly_or_the_run_fails_once
     row = run_row(conn, big)
     assert row["status"] == "succeeded", row["error"]
     assert row["result"] == {"repr": "{'n': 123456789012345678901234567890}"}
+
+
+def test_retry_run_of_a_run_whose_wait_went_unanswered__it_waits_again_afresh(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    """The dead-letter replay of an unanswered approval must be able to succeed. Before: a run
+    failed by its wait's timeout (wait_timeout) met the same timed-out wait on every retry_run,
+    and a run cancelled while it waited, retried after its wait's first deadline, timed out at
+    once: retry_run answered 'queued' and the run failed again without waiting."""
+    timed_out = runpool.enqueue(conn, "acme", "approval", {"timeout": 1})
+    cancelled = runpool.enqueue(conn, "acme", "approval", {"timeout": 2})
+    with running_pool(dsn, app=APP, lease_seconds=6) as pool:
+        wait_for(lambda: status_of(conn, timed_out) == "failed", timeout=30, what="timed out")
+        wait_for(lambda: status_of(conn, cancelled) == "waiting", timeout=30, what="waiting")
+        assert scalar(conn, "SELECT runpool.cancel_run(%s)", cancelled) == "cancelled"
+        # Past the cancelled wait's first deadline.
+        wait_for(lambda: scalar(conn, "SELECT bool_and(until < now()) FROM runpool.waits"),
+                 what="every first deadline passed")
+        for run_id in (timed_out, cancelled):
+            assert scalar(conn, "SELECT runpool.retry_run(%s)", run_id) == "queued"
+            wait_for(lambda r=run_id: status_of(conn, r) == "waiting", timeout=30,  # type: ignore[misc]
+                     what="waiting again")
+            assert runpool.signal_run(conn, run_id, "approval", {"approved": True}) \
+                == "delivered"
+            wait_for(lambda r=run_id: status_of(conn, r) in TERMINAL, timeout=30,  # type: ignore[misc]
+                     what="ended")
+            row = run_row(conn, run_id)
+            assert row["status"] == "succeeded", row["error"]
+            assert row["result"]["payloads"] == [{"approved": True}]
+        assert "action=run_internal_error" not in pool.log()
+    assert _violations(conn) == []
+
+
+def test_a_handler_swallowing_Suspended__its_slot_is_freed_and_the_run_resumes(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A bare `except:` around wait_for (a retry loop) swallows Suspended: the wait is
+    committed and the run 'waiting', but the handler goes on. Its slot was held for as long
+    as the handler ran (forever here: on a concurrency-1 pool nothing else ever ran, any
+    tenant's runs); the heartbeat passes a suspended slot by. Now the worker cancels it and
+    frees the slot after the cancel grace, as for a handler outliving a lost lease."""
+    zombie = runpool.enqueue(conn, "acme", "bare_except", {})
+    with running_pool(dsn, app=APP, workers=1, concurrency=1, cancel_grace_seconds=1) as pool:
+        wait_for(lambda: status_of(conn, zombie) == "waiting", timeout=30, what="waiting")
+        other = runpool.enqueue(conn, "globex", "child", {"n": 1})
+        wait_for(lambda: status_of(conn, other) == "succeeded", timeout=20,
+                 what="another tenant's run on the only slot")
+        assert "action=slot_forced_free" in pool.log()
+        assert runpool.signal_run(conn, zombie, "go", {"n": 2}) == "delivered"
+        wait_for(lambda: status_of(conn, zombie) in TERMINAL, timeout=20, what="resumed")
+    row = run_row(conn, zombie)
+    assert row["status"] == "succeeded", row["error"]
+    assert row["result"] == {"payload": {"n": 2}, "attempt": 2}
+    assert _violations(conn) == []
+
+
+def test_a_child_deleted_after_it_ended__never_spawned_again_the_parent_fails_once(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    """parent_id has no foreign key: a purge of finished runs may delete a child whose parent
+    still waits for its siblings. The resumed parent spawned it again (its call id found no
+    child): the child ran twice, then the join failed on the changed set of children. Now the
+    spawn is refused (invalid_input naming the call id, once), nothing runs twice; a join
+    that cannot read a child's result fails the same way (it was a KeyError, retried)."""
+    parent = runpool.enqueue(conn, "acme", "parent", {"children": 1, "child": {"seconds": 0.5}},
+                             max_attempts=3)
+    with running_pool(dsn, app=APP, retry_backoff_seconds=0.1) as pool:
+        wait_for(lambda: status_of(conn, parent) == "waiting", timeout=30, what="joining")
+        kid = scalar(conn, "SELECT id FROM runpool.runs WHERE parent_id = %s", parent)
+        with psycopg.connect(dsn) as holder:
+            # The parent's row held while its child ends: woken by a claim once free, by
+            # then its child is gone (the purge's DELETE).
+            holder.execute("SELECT 1 FROM runpool.runs WHERE id = %s FOR NO KEY UPDATE",
+                           (parent,))
+            wait_for(lambda: status_of(conn, kid) == "succeeded", timeout=30, what="child")
+            conn.execute("DELETE FROM runpool.runs WHERE id = %s", (kid,))
+        wait_for(lambda: status_of(conn, parent) in TERMINAL, timeout=30, what="ended")
+        assert "action=run_internal_error" not in pool.log()
+    row = run_row(conn, parent)
+    assert (row["status"], row["error"]["reason"], row["attempt"]) == (
+        "failed", "invalid_input", 2), row["error"]
+    assert "call id c0" in row["error"]["message"], row["error"]
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE parent_id = %s", parent) == 0

@@ -90,3 +90,17 @@ async def signal_repr(run: runpool.Run) -> Any:
     """Waits for signal `name`; answers the payload's repr (a result cannot hold every value a
     payload can: integers beyond 64 bits)."""
     return {"repr": repr(await run.wait_for(run.input["name"]))}
+
+
+@app.handler("bare_except")
+async def bare_except(run: runpool.Run) -> Any:
+    """A sloppy retry loop around a wait: its bare except swallows Suspended (the wait is
+    committed: the attempt is over), LeaseLost and cancellation alike, and tries again."""
+    while True:
+        try:
+            return {"payload": await run.wait_for("go"), "attempt": run.attempt}
+        except BaseException:  # the hostile handler this test is for
+            try:
+                await asyncio.sleep(0.2)
+            except BaseException:
+                pass
