@@ -232,3 +232,18 @@ def test_a_child_deleted_after_it_ended__never_spawned_again_the_parent_fails_on
         "failed", "invalid_input", 2), row["error"]
     assert "call id c0" in row["error"]["message"], row["error"]
     assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE parent_id = %s", parent) == 0
+
+
+def test_a_parent_at_its_tenants_quota_of_1__its_children_run_while_it_joins(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    """Held: the tenant's quota (not the pool's slots) is 1 and the parent holds it while it
+    spawns; joining, it holds nothing, so its children take the quota one at a time: no
+    deadlock."""
+    conn.execute("SELECT runpool.set_tenant_quota('acme', 1)")
+    parent = runpool.enqueue(conn, "acme", "parent", {"children": 3, "child": {"seconds": 0.3}})
+    with running_pool(dsn, app=APP, concurrency=4):
+        wait_for(lambda: status_of(conn, parent) in TERMINAL, timeout=45, what="ended")
+    row = run_row(conn, parent)
+    assert row["status"] == "succeeded", row["error"]
+    assert [c["status"] for c in row["result"]["children"]] == ["succeeded"] * 3
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE parent_id = %s", parent) == 3
