@@ -62,6 +62,10 @@ class SlotRunner:
         self._on_stuck = on_stuck
         self._progress = progress
         self._background = Background()
+        # The linger checks of suspended attempts whose slot is not vacated yet (see
+        # _after_suspend): cancelled at the vacate, so 10,000 runs starting to wait keep no
+        # slot alive for the grace.
+        self._lingering: dict[Slot, asyncio.TimerHandle] = {}
 
     def start(self, c: ClaimedRun, sent: float) -> None:
         """Run a claimed attempt in a slot of its own (`sent`: when its claim was sent)."""
@@ -76,6 +80,10 @@ class SlotRunner:
 
     def _vacate(self, slot: Slot) -> None:
         self._slots.vacate(slot)
+        slot.control.on_suspend = None  # (it refers to the slot: no cycle left behind)
+        timer = self._lingering.pop(slot, None)
+        if timer is not None:
+            timer.cancel()
         if self._progress is not None:
             self._progress.ended(slot.claimed.id)
         self._wake()
@@ -211,8 +219,8 @@ class SlotRunner:
         return outcomes.from_result(c.id, c.attempt, result, max_bytes=s.max_result_bytes)
 
     def _after_suspend(self, slot: Slot) -> None:
-        asyncio.get_running_loop().call_later(self._settings.cancel_grace_seconds,
-                                              self._linger_check, slot)
+        self._lingering[slot] = asyncio.get_running_loop().call_later(
+            self._settings.cancel_grace_seconds, self._linger_check, slot)
 
     def _linger_check(self, slot: Slot) -> None:
         """The cancel grace after the attempt committed a wait: a handler still going (it
@@ -220,6 +228,7 @@ class SlotRunner:
         as for a handler outliving a lost lease: the run is 'waiting' (or queued again, or
         another worker's), every write of this attempt is fenced, and the heartbeat passes a
         suspended slot by, so nothing else would ever free it."""
+        self._lingering.pop(slot, None)
         if not self._slots.holds(slot) or slot.threads_running:
             return  # ended as it should; a thread cannot be stopped (a plain handler's)
         logger.error("run %s: the handler went on after its wait was committed (it caught"
