@@ -1,11 +1,13 @@
 """A real PgBouncer in transaction mode in front of a PostgreSQL server, started on a free
 port (Debian's package `pgbouncer`), for tests and benchmarks of pooler mode.
 
-PgBouncer refuses to run as root: as root it switches to user postgres (`-u`)."""
+PgBouncer refuses to run as root: as root it switches (`-u`) to user postgres, or to the owner
+of the server's socket directory when the server is reached over a Unix socket."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -99,11 +101,16 @@ def pgbouncer(server_dsn: str, *, pool_size: int) -> Iterator[Bouncer]:
         listen_port=port, dir=directory, user=user, pool_size=pool_size))
     command = [PGBOUNCER, str(directory / "pgbouncer.ini")]
     if os.geteuid() == 0:
-        shutil.chown(directory, "postgres")
+        # As the user that can reach the server: a server on a Unix socket (the embedded one)
+        # keeps its socket in a directory only its own user may enter.
+        host = str(params.get("host") or "")
+        owner = (pwd.getpwuid(Path(host).stat().st_uid).pw_name
+                 if host.startswith("/") else "postgres")
+        shutil.chown(directory, owner)
         for path in directory.iterdir():
-            shutil.chown(path, "postgres")
+            shutil.chown(path, owner)
         # Its own switch, not runuser: the process the signal below reaches is PgBouncer.
-        command = [PGBOUNCER, "-u", "postgres", str(directory / "pgbouncer.ini")]
+        command = [PGBOUNCER, "-u", owner, str(directory / "pgbouncer.ini")]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     bouncer = Bouncer(port, pool_size, user, directory)
     try:
