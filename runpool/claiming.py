@@ -40,6 +40,10 @@ class ClaimedRun:
     budget: bytes | None = None
     usage: bytes | None = None
     due_in: float | None = None
+    # Whether the run's previous attempt was reclaimed by the reaper (its lease expired), and
+    # the seconds it waited claimable (since its available_at, by the database's clock).
+    reclaimed: bool = False
+    waited: float = 0.0
 
     def decode_input(self) -> Any:
         """The run's input as Python values; InvalidInput for a value jsonb holds but the

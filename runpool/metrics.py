@@ -3,6 +3,19 @@ runpool.otel_setup): what each worker itself sees, beside the console's /metrics
 from the database.
 
 - runpool.run.attempts.started (counter): attempts this worker claimed, by handler;
+- runpool.run.wait (histogram, s): a claimed attempt's queue wait, by handler: from the run's
+  available_at (its creation, or the end of its retry backoff, delay or wait) to the claim, by
+  the database's clock (one clock: the workers' may differ from it);
+- runpool.runs.reclaimed (counter): attempts this worker claimed whose previous attempt's
+  lease had expired (the run's latest event was the reaper's 'reclaimed'; a retry after a
+  failure, a release by a draining worker or a wake-up is not a reclaim), by handler;
+- runpool.lease.lost (counter): runs this worker gave up because their lease was, or may have
+  been, lost (heartbeat, lease watchdog, or a fenced write), by handler;
+- runpool.cancels (counter): cancel requests this worker acted on (a confirmed notice or the
+  heartbeat's flag, for a run not already stopping), by handler;
+- runpool.cancel.latency (histogram, s): from the moment this worker learnt of a cancel to
+  its slot being freed (the outcome written, or the run forced cancelled after the grace), by
+  handler;
 - runpool.runs.finished (counter): attempts ended, by handler and outcome (succeeded, failed,
   cancelled, retry; the run's status as recorded);
 - runpool.run.duration (histogram, s): an attempt's time in its slot, by handler and outcome;
@@ -11,8 +24,10 @@ from the database.
 
 Attributes are the handler and outcome (and the worker's id on the gauges), never the tenant:
 tenants come from callers, and a label per tenant would let them grow the metric without
-bound. Like tracing, the meter is a context variable set when a worker starts: off (None, the
-global provider being the API's no-op) costs the hot path one lookup.
+bound (and a worker's figures would not add up to a tenant's anyway: the per-tenant figures
+are the console's /metrics, counted from the database). Like tracing, the meter is a context
+variable set when a worker starts: off (None, the global provider being the API's no-op) costs
+the hot path one lookup.
 """
 
 from __future__ import annotations
@@ -27,7 +42,8 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 
-__all__ = ["activate", "attempt_ended", "attempt_started", "claimed"]
+__all__ = ["activate", "attempt_ended", "attempt_started", "cancel_ended", "cancelled",
+           "claimed", "lease_lost"]
 
 HANDLER: Final = "runpool.handler"
 OUTCOME: Final = "runpool.run.outcome"
@@ -40,6 +56,11 @@ class _Instruments:
     finished: Counter
     duration: Histogram
     claim: Histogram
+    wait: Histogram
+    reclaimed: Counter
+    lease_lost: Counter
+    cancels: Counter
+    cancel_latency: Histogram
 
 
 _instruments: ContextVar[_Instruments | None] = ContextVar("runpool_meter", default=None)
@@ -75,12 +96,28 @@ def activate(provider: Any, *, worker_id: uuid.UUID, busy: Callable[[], int],
         duration=meter.create_histogram("runpool.run.duration", unit="s",
                                         description="An attempt's time in its slot"),
         claim=meter.create_histogram("runpool.claim.duration", unit="s",
-                                     description="One claim transaction")))
+                                     description="One claim transaction"),
+        wait=meter.create_histogram("runpool.run.wait", unit="s",
+                                    description="A claimed attempt's wait in the queue"),
+        reclaimed=meter.create_counter(
+            "runpool.runs.reclaimed", unit="{attempt}",
+            description="Attempts claimed after the previous one's lease expired"),
+        lease_lost=meter.create_counter("runpool.lease.lost", unit="{attempt}",
+                                        description="Attempts given up on a lost lease"),
+        cancels=meter.create_counter("runpool.cancels", unit="{attempt}",
+                                     description="Cancel requests acted on"),
+        cancel_latency=meter.create_histogram(
+            "runpool.cancel.latency", unit="s",
+            description="A cancel learnt of, to the run's slot freed")))
 
 
-def attempt_started(handler: str) -> None:
+def attempt_started(handler: str, *, waited: float, reclaimed: bool) -> None:
     if (m := _instruments.get()) is not None:
-        m.started.add(1, {HANDLER: handler})
+        attributes = {HANDLER: handler}
+        m.started.add(1, attributes)
+        m.wait.record(waited, attributes)
+        if reclaimed:
+            m.reclaimed.add(1, attributes)
 
 
 def attempt_ended(handler: str, outcome: str, seconds: float) -> None:
@@ -88,6 +125,21 @@ def attempt_ended(handler: str, outcome: str, seconds: float) -> None:
         attributes = {HANDLER: handler, OUTCOME: outcome}
         m.finished.add(1, attributes)
         m.duration.record(seconds, attributes)
+
+
+def lease_lost(handler: str) -> None:
+    if (m := _instruments.get()) is not None:
+        m.lease_lost.add(1, {HANDLER: handler})
+
+
+def cancelled(handler: str) -> None:
+    if (m := _instruments.get()) is not None:
+        m.cancels.add(1, {HANDLER: handler})
+
+
+def cancel_ended(handler: str, seconds: float) -> None:
+    if (m := _instruments.get()) is not None:
+        m.cancel_latency.record(seconds, {HANDLER: handler})
 
 
 def claimed(seconds: float) -> None:

@@ -221,8 +221,14 @@ candidates AS (
     LIMIT %(limit)s
 ),
 locked AS (
-    -- A run being cancelled right now is skipped, not waited for.
-    SELECT r.id
+    -- A run being cancelled right now is skipped, not waited for. `reclaimed`: the run's
+    -- latest event is the reaper's (its previous attempt's lease expired; a retry after a
+    -- failure or a release is not one): one backward index probe, only for a later attempt.
+    SELECT r.id,
+           CASE WHEN r.attempt > 0 THEN coalesce(
+               (SELECT e.kind FROM runpool.run_events e WHERE e.run_id = r.id
+                ORDER BY e.id DESC LIMIT 1) = 'reclaimed', false)
+                ELSE false END AS reclaimed
     FROM runpool.runs r
     WHERE r.id IN (SELECT id FROM candidates)
       AND r.status = 'queued'
@@ -246,14 +252,19 @@ claimed AS (
               r.max_attempts,
               r.input, r.traceparent, r.created_at, r.serial_key, r.rank, r.budget, r.usage,
               -- Seconds until the attempt's timeout or the run's deadline, by this clock.
-              extract(epoch FROM least(r.attempt_due, r.deadline) - now())::float8 AS due_in
+              extract(epoch FROM least(r.attempt_due, r.deadline) - now())::float8 AS due_in,
+              locked.reclaimed,
+              -- The queue wait, by this clock: since the run became claimable (created, or
+              -- its retry's backoff, delay or wake-up ended) until this claim.
+              greatest(extract(epoch FROM clock_timestamp() - r.available_at), 0)::float8
+                  AS waited
 ),
 events AS (
     INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id)
     SELECT id, 'claimed', attempt, %(worker_id)s FROM claimed
 )
 SELECT id, tenant, handler, attempt, attempts_used, max_attempts, input, traceparent, created_at,
-       serial_key, budget, usage, due_in
+       serial_key, budget, usage, due_in, reclaimed, waited
 FROM claimed
 ORDER BY rank;
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,10 @@ class SlotRunner:
         slot.start(self._execute(slot))
 
     def _vacate(self, slot: Slot) -> None:
-        self._slots.vacate(slot)
+        if self._slots.vacate(slot) and slot.cancel_seen is not None:
+            # The run's end as its cancel's requester sees it: the slot is free (the outcome
+            # written, or the run forced cancelled after the grace).
+            metrics.cancel_ended(slot.claimed.handler, time.monotonic() - slot.cancel_seen)
         slot.control.on_suspend = None  # (it refers to the slot: no cycle left behind)
         timer = self._lingering.pop(slot, None)
         if timer is not None:
@@ -92,7 +96,7 @@ class SlotRunner:
 
     async def _execute(self, slot: Slot) -> None:
         c = slot.claimed
-        metrics.attempt_started(c.handler)
+        metrics.attempt_started(c.handler, waited=c.waited, reclaimed=c.reclaimed)
         # Every record made in this run's task and threads (the handler's own loggers' too)
         # says which run it belongs to (see runpool.logs).
         with run_log_context(**slot.extra, attempt=c.attempt, handler=c.handler,
@@ -269,6 +273,7 @@ class SlotRunner:
         after the cancel grace is recorded cancelled anyway (see `_force`)."""
         if not slot.request_cancel():
             return
+        metrics.cancelled(slot.claimed.handler)
         logger.info("cancelling run %s", slot.claimed.id,
                     extra={"action": "run_cancelling", **slot.extra})
         asyncio.get_running_loop().call_later(
@@ -317,6 +322,7 @@ class SlotRunner:
         """Stop a run whose lease is (or may be) lost: every later write of it is fenced."""
         if not slot.abandon(cancel_task=cancel):
             return
+        metrics.lease_lost(slot.claimed.handler)
         logger.warning("lease lost for run %s: %s", slot.claimed.id, why,
                        extra={"action": "lease_lost", **slot.extra})
         asyncio.get_running_loop().call_later(

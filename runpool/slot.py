@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
+import time
 import uuid
 from collections.abc import Coroutine, Iterator
 from typing import Any
@@ -49,8 +50,8 @@ class Slot:
     the worker's one event loop, so no locking is needed.
     """
 
-    __slots__ = ("_deadline", "_finishing", "_given_up", "_stop", "_task", "claimed",
-                 "control", "due", "extra")
+    __slots__ = ("_cancel_seen", "_deadline", "_finishing", "_given_up", "_stop", "_task",
+                 "claimed", "control", "due", "extra")
 
     def __init__(self, claimed: ClaimedRun, control: RunControl, *, deadline: float,
                  extra: dict[str, str]) -> None:
@@ -62,6 +63,7 @@ class Slot:
         self._stop: StopReason | None = None
         self._finishing = False
         self._given_up = False
+        self._cancel_seen: float | None = None
         self._deadline = deadline
         self.renew(deadline)
         # Monotonic time at which the attempt's timeout or the run's deadline comes, by the
@@ -83,6 +85,11 @@ class Slot:
     @property
     def stop_reason(self) -> StopReason | None:
         return self._stop
+
+    @property
+    def cancel_seen(self) -> float | None:
+        """Monotonic time at which the worker acted on the run's cancel (None: it did not)."""
+        return self._cancel_seen
 
     @property
     def finishing(self) -> bool:
@@ -117,6 +124,7 @@ class Slot:
         if self._stop is not None or self.finishing:
             return False
         self._stop = StopReason.CANCELLED
+        self._cancel_seen = time.monotonic()
         self.control.cancel()
         self.task.cancel()
         return True

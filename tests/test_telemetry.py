@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -297,3 +298,52 @@ def test_metrics_exporter_none__traces_go_metrics_do_not(
         wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="run done")
         _drained(pool)
     assert receiver.requests > 0 and receiver.metric_requests == 0
+
+
+def test_worker_metrics__reclaims_lost_leases_cancels_and_waits_by_handler(
+        conn: psycopg.Connection, dsn: str, receiver: Receiver) -> None:
+    endpoint = receiver.start()
+    # A reclaim: attempt 1 dies (os._exit) after a checkpoint; the restarted worker claims
+    # attempt 2 once the lease expired. A retry after a failure (flaky) is no reclaim.
+    crashed = runpool.enqueue(conn, "acme", "agent", {"steps": 2, "crash_after": 0})
+    env = {**_otel(endpoint), "OTEL_METRIC_EXPORT_INTERVAL": "200"}
+    with running_pool(dsn, env=env, lease_seconds=1.5, retry_backoff_seconds=0.1) as pool:
+        wait_for(lambda: run_row(conn, crashed)["status"] == "succeeded", timeout=30,
+                 what="the crashed run done")
+        # Every figure below is the restarted worker's (the crashed one's counters died).
+        flaky = runpool.enqueue(conn, "acme", "flaky", {"fail_times": 1})
+        wait_for(lambda: run_row(conn, flaky)["status"] == "succeeded", what="flaky done")
+        # A cancel, acted on by the (restarted) worker.
+        held = runpool.enqueue(conn, "acme", "hold")
+        wait_for(lambda: run_row(conn, held)["status"] == "running", what="hold running")
+        assert scalar(conn, "SELECT runpool.cancel_run(%s, %s)", held, "stop") == "cancelling"
+        wait_for(lambda: run_row(conn, held)["status"] == "cancelled", timeout=10,
+                 what="cancelled")
+        # A lost lease: the worker frozen past its lease notices when it thaws, gives the run
+        # up, and (its own reaper returning it to the queue) reclaims it.
+        slow = runpool.enqueue(conn, "acme", "sleep", {"seconds": 60})
+        wait_for(lambda: run_row(conn, slow)["status"] == "running", what="sleep running")
+        pid = scalar(conn, "SELECT w.pid FROM runpool.workers w JOIN runpool.runs r"
+                     " ON r.worker_id = w.id WHERE r.id = %s", slow)
+        frozen_until = scalar(conn, "SELECT lease_expires_at + interval '0.5 s'"
+                              " FROM runpool.runs WHERE id = %s", slow)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: scalar(conn, "SELECT now() > %s", frozen_until), interval=0.1,
+                     what="the lease expired while frozen")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: run_row(conn, slow)["attempt"] == 2, timeout=20, what="reclaimed")
+        wait_for(lambda: receiver.latest("runpool.lease.lost") == {
+            (("runpool.handler", "sleep"),): 1.0}, timeout=20, what="the lost lease's counter")
+        wait_for(lambda: receiver.latest("runpool.runs.reclaimed") == {
+            (("runpool.handler", "agent"),): 1.0, (("runpool.handler", "sleep"),): 1.0},
+                 timeout=20, what="the reclaims")
+        assert receiver.latest("runpool.cancels") == {(("runpool.handler", "hold"),): 1.0}
+        assert receiver.latest("runpool.cancel.latency") == {
+            (("runpool.handler", "hold"),): 1.0}
+        waits = receiver.latest("runpool.run.wait")
+        assert waits[(("runpool.handler", "flaky"),)] == 2  # both attempts' waits
+        assert waits[(("runpool.handler", "sleep"),)] == 2
+        assert "action=lease_lost" in pool.log()
+    assert not any("tenant" in str(a) for _, a, _ in receiver.points)
