@@ -5,6 +5,7 @@ import uuid
 from collections import Counter
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 import runpool
 from runpool.claiming import claim, reap
@@ -62,14 +63,41 @@ def test_lease_expired__reclaimed_with_next_attempt(conn: psycopg.Connection, ds
             return await claim(c, worker_id=uuid.uuid4(), limit=1, lease_seconds=lease)
 
     first = asyncio.run(claim_once(0.3))
-    assert [(r.id, r.attempt) for r in first] == [(run_id, 1)]
+    assert [(r.id, r.attempt, r.reclaimed) for r in first] == [(run_id, 1, False)]
     # The lease is live: nobody else gets the run.
     assert asyncio.run(claim_once(30)) == []
     wait_for(lambda: scalar(conn, "SELECT lease_expires_at < now() FROM runpool.runs"),
              what="lease expiry")
     second = asyncio.run(claim_once(30))
-    assert [(r.id, r.attempt) for r in second] == [(run_id, 2)]
+    assert [(r.id, r.attempt, r.reclaimed) for r in second] == [(run_id, 2, True)]
     assert events(conn, run_id) == ["enqueued", "claimed", "reclaimed", "claimed"]
+
+
+def test_claim__reclaimed_only_after_a_reap_not_a_retry_or_release__and_the_queue_wait(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """What the workers' runpool.runs.reclaimed and runpool.run.wait count (runpool.metrics)."""
+    retried, released = (runpool.enqueue(conn, "t", "noop") for _ in range(2))
+    # Claimable for 5 s already (by the database's clock): that is the wait the claim tells.
+    conn.execute("UPDATE runpool.runs SET available_at = now() - interval '5 s'")
+    worker_id = uuid.uuid4()
+
+    async def claim_all() -> dict[uuid.UUID, runpool.claiming.ClaimedRun]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            got = await claim(c, worker_id=worker_id, limit=5, lease_seconds=30)
+        return {r.id: r for r in got}
+
+    first = asyncio.run(claim_all())
+    assert all(5 <= r.waited < 60 and not r.reclaimed for r in first.values())
+    # A failed attempt retried at once, and one released by a draining worker.
+    params = {**finish_params([(retried, 1)]), "outcomes": ["retry"],
+              "errors": [Jsonb({"reason": "boom"})]}
+    assert conn.execute(QUERIES["finish_runs"], params).fetchall() == [(retried, "queued")]
+    conn.execute(QUERIES["release_runs"], {"ids": [released], "attempts": [1],
+                                           "worker_id": worker_id})
+    second = asyncio.run(claim_all())
+    assert {i: (r.attempt, r.reclaimed) for i, r in second.items()} == {
+        retried: (2, False), released: (2, False)}
+    assert all(0 <= r.waited < 5 for r in second.values())
 
 
 def test_lease_expired_on_last_attempt__fails_with_lease_expired(
