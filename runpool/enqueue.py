@@ -25,26 +25,15 @@ SELECT runpool.enqueue(%(tenant)s, %(handler)s, %(input)s, %(priority)s,
                        %(idempotency_key)s, %(run_at)s, %(max_attempts)s, %(traceparent)s,
                        %(serial_key)s, %(timeout)s, %(deadline)s, %(budget)s)
 """
-# Enqueue many runs in one statement; ids come back in input order.
-ENQUEUE_MANY: Final = """
-SELECT runpool.enqueue(s.tenant, s.handler, s.input, s.priority, s.idempotency_key,
-                       s.run_at, s.max_attempts, s.traceparent, s.serial_key, s.timeout,
-                       s.deadline, s.budget)
-FROM unnest(%(tenant)s::text[], %(handler)s::text[], %(input)s::jsonb[], %(priority)s::int[],
-            %(idempotency_key)s::text[], %(run_at)s::timestamptz[], %(max_attempts)s::int[],
-            %(traceparent)s::text[], %(serial_key)s::text[], %(timeout)s::interval[],
-            %(deadline)s::timestamptz[], %(budget)s::jsonb[])
-     WITH ORDINALITY AS s(tenant, handler, input, priority, idempotency_key, run_at,
-                          max_attempts, traceparent, serial_key, timeout, deadline, budget, n)
-ORDER BY s.n
-"""
+# Enqueue many runs in one set-based call (0016); ids come back in input order.
+ENQUEUE_MANY: Final = "SELECT id FROM runpool.enqueue_many(%s) AS id"
 
 
-# Distinct serial keys one enqueue_many may carry. Each key holds an advisory lock until the
-# caller commits (two once its run waits), and the server's lock table is shared and fixed
-# (max_locks_per_transaction x max_connections: 6,400 entries by default): thousands of keys
-# in one open transaction would fill it, and every session would then fail "out of shared
-# memory" (README: Serial keys).
+# Distinct serial keys one enqueue_many may carry: the limit runpool.enqueue_many (0016)
+# enforces. Each key holds an advisory lock until the caller commits (two once its run waits),
+# and the server's lock table is shared and fixed (max_locks_per_transaction x max_connections:
+# 6,400 entries by default): thousands of keys in one open transaction would fill it, and every
+# session would then fail "out of shared memory" (README: Serial keys).
 MAX_SERIAL_KEYS: Final = 1000
 
 
@@ -117,6 +106,26 @@ class RunSpec:
             "deadline": self.deadline,
             "budget": None if self.budget is None else jsonb(dumps(self.budget)),
         }
+
+    def element(self) -> dict[str, Any]:
+        """This run as one element of runpool.enqueue_many's array: only what differs from
+        enqueue's defaults (a timeout in seconds; times as ISO text, naive ones read in the
+        session's time zone as the single enqueue's are)."""
+        for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
+            _check_text(name, getattr(self, name))
+        out: dict[str, Any] = {"tenant": self.tenant, "handler": self.handler,
+                               "input": self.input}
+        for name in ("idempotency_key", "run_at", "max_attempts", "traceparent",
+                     "serial_key", "deadline", "budget"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.priority != 0:
+            out["priority"] = self.priority
+        timeout = _interval(self.timeout)
+        if timeout is not None:
+            out["timeout"] = timeout.total_seconds()
+        return out
 
 
 def _interval(timeout: float | timedelta | None) -> timedelta | None:
@@ -244,26 +253,13 @@ async def enqueue_async(
         return row[0]  # type: ignore[no-any-return]
 
 
-def _many_params(specs: Iterable[RunSpec]) -> dict[str, list[Any]]:
-    columns: dict[str, list[Any]] = {}
-    for spec in specs:
-        for key, value in spec.params().items():
-            columns.setdefault(key, []).append(value)
-    return columns
-
-
 def enqueue_many(conn: psycopg.Connection[Any], specs: Iterable[RunSpec]) -> list[uuid.UUID]:
     """Enqueue many runs in one statement (all or none); ids in the order given. At most
     MAX_SERIAL_KEYS distinct serial keys per call (InvalidInput beyond, nothing written)."""
-    params = _many_params(specs)
-    if not params:
+    elements = [spec.element() for spec in specs]
+    if not elements:
         return []
-    keys = {(t, k) for t, k in zip(params["tenant"], params["serial_key"], strict=True)
-            if k is not None}
-    if len(keys) > MAX_SERIAL_KEYS:
-        raise InvalidInput(
-            f"enqueue_many: {len(keys)} distinct serial keys in one call, over the limit of"
-            f" {MAX_SERIAL_KEYS} (each holds a lock until commit): split the batch and commit"
-            " each part")
+    # Serialised here, in one pass: a value jsonb cannot hold fails before the database sees it.
+    payload = jsonb(dumps(elements))
     with _guard(conn):
-        return [row[0] for row in conn.execute(ENQUEUE_MANY, params)]
+        return [row[0] for row in conn.execute(ENQUEUE_MANY, [payload])]

@@ -1,0 +1,235 @@
+-- Bulk enqueue (DESIGN.md "Bulk enqueue"): runpool.enqueue_many(runs jsonb) -> SETOF uuid.
+-- One call validates every run, then writes them all with set-based statements (one INSERT
+-- of the runs, one of their 'enqueued' events, one NOTIFY for the batch): all or none, ids in
+-- input order, idempotency keys honoured as runpool.enqueue honours them. enqueue (0012)
+-- costs one plpgsql call per run (~8 statements each); this costs a handful per batch.
+
+-- A time given as JSON text, or NULL when it is not one (enqueue_many names the field).
+CREATE FUNCTION runpool._time_or_null(value text) RETURNS timestamptz
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+BEGIN
+    RETURN value::timestamptz;
+EXCEPTION WHEN data_exception THEN
+    RETURN NULL;
+END
+$$;
+
+-- What is wrong with one element of enqueue_many's array (NULL: nothing), in enqueue's words.
+-- The checks are enqueue's (0012), one CASE so that a batch is checked in one pass.
+CREATE FUNCTION runpool._enqueue_problem(v jsonb, cfg runpool.config) RETURNS text
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+RETURN CASE
+    WHEN jsonb_typeof(v) IS DISTINCT FROM 'object' THEN 'must be a JSON object'
+    WHEN EXISTS (SELECT 1 FROM jsonb_object_keys(v) k
+                 WHERE k NOT IN ('tenant', 'handler', 'input', 'priority', 'idempotency_key',
+                                 'run_at', 'max_attempts', 'traceparent', 'serial_key',
+                                 'timeout', 'deadline', 'budget'))
+        THEN 'unknown key ' || (SELECT min(quote_literal(k)) FROM jsonb_object_keys(v) k
+                 WHERE k NOT IN ('tenant', 'handler', 'input', 'priority', 'idempotency_key',
+                                 'run_at', 'max_attempts', 'traceparent', 'serial_key',
+                                 'timeout', 'deadline', 'budget'))
+    WHEN jsonb_typeof(v -> 'tenant') IS DISTINCT FROM 'string'
+         OR length(v ->> 'tenant') NOT BETWEEN 1 AND runpool.max_name_length()
+        THEN 'tenant must be 1 to ' || runpool.max_name_length() || ' characters'
+    WHEN jsonb_typeof(v -> 'handler') IS DISTINCT FROM 'string'
+         OR length(v ->> 'handler') NOT BETWEEN 1 AND runpool.max_name_length()
+        THEN 'handler must be 1 to ' || runpool.max_name_length() || ' characters'
+    WHEN coalesce(jsonb_typeof(v -> 'priority'), 'null') NOT IN ('null', 'number')
+         OR (v ->> 'priority')::numeric NOT BETWEEN -100 AND 100
+         OR (v ->> 'priority')::numeric <> trunc((v ->> 'priority')::numeric)
+        THEN 'priority must be an integer between -100 and 100, got ' || (v -> 'priority')::text
+    WHEN coalesce(jsonb_typeof(v -> 'max_attempts'), 'null') NOT IN ('null', 'number')
+         OR (v ->> 'max_attempts')::numeric NOT BETWEEN 1 AND 1000
+         OR (v ->> 'max_attempts')::numeric <> trunc((v ->> 'max_attempts')::numeric)
+        THEN 'max_attempts must be an integer between 1 and 1000, got '
+             || (v -> 'max_attempts')::text
+    WHEN coalesce(jsonb_typeof(v -> 'idempotency_key'), 'null') NOT IN ('null', 'string')
+         OR length(v ->> 'idempotency_key') NOT BETWEEN 1 AND runpool.max_name_length()
+        THEN 'idempotency_key must be 1 to ' || runpool.max_name_length() || ' characters'
+    WHEN coalesce(jsonb_typeof(v -> 'serial_key'), 'null') NOT IN ('null', 'string')
+         OR length(v ->> 'serial_key') NOT BETWEEN 1 AND runpool.max_name_length()
+        THEN 'serial_key must be 1 to ' || runpool.max_name_length() || ' characters'
+    WHEN coalesce(jsonb_typeof(v -> 'traceparent'), 'null') NOT IN ('null', 'string')
+         OR length(v ->> 'traceparent') > 128
+        THEN 'traceparent must be text of at most 128 characters'
+    WHEN coalesce(jsonb_typeof(v -> 'run_at'), 'null') NOT IN ('null', 'string')
+         OR (v ->> 'run_at' IS NOT NULL AND NOT coalesce(
+                isfinite(runpool._time_or_null(v ->> 'run_at'))
+                AND runpool._time_or_null(v ->> 'run_at') <= clock_timestamp() + interval '10 years',
+                false))
+        THEN 'run_at must be a finite time at most 10 years ahead, got ' || (v -> 'run_at')::text
+    -- Seconds, as the Python API sends a timeout.
+    WHEN coalesce(jsonb_typeof(v -> 'timeout'), 'null') NOT IN ('null', 'number')
+         OR (v ->> 'timeout')::numeric <= 0 OR (v ->> 'timeout')::numeric > 366 * 86400
+         -- under a microsecond is an interval of 0
+         OR make_interval(secs => (v ->> 'timeout')::float8) <= interval '0'
+        THEN 'timeout must be a number of seconds, more than 0 and at most a year, got '
+             || (v -> 'timeout')::text
+    WHEN coalesce(jsonb_typeof(v -> 'deadline'), 'null') NOT IN ('null', 'string')
+         OR (v ->> 'deadline' IS NOT NULL
+             AND NOT coalesce(isfinite(runpool._time_or_null(v ->> 'deadline')), false))
+        THEN 'deadline must be a finite time, got ' || (v -> 'deadline')::text
+    WHEN coalesce(jsonb_typeof(v -> 'budget'), 'null') NOT IN ('null', 'object')
+        THEN 'budget must be a JSON object'
+    WHEN octet_length(coalesce(v -> 'input', '{}')::text) > cfg.max_input_bytes
+        THEN 'input is ' || octet_length((v -> 'input')::text) || ' bytes, over the limit of '
+             || cfg.max_input_bytes || ' bytes'
+END;
+
+-- Enqueue many runs in one call: `runs` is a JSON array of objects keyed by enqueue's
+-- parameter names (tenant and handler required; a timeout in seconds, times as ISO text).
+-- All or none: the first bad element is named (runs[i], counted from 0) and nothing is
+-- written. Ids come back in input order; a repeated idempotency key (in the table or earlier
+-- in the array) gives the existing run's id, as enqueue does. Runs of one call keep their
+-- order (their arrival times are a microsecond apart, never ahead of the clock). Serial keys:
+-- every distinct key is locked first (in key order, so two batches cannot deadlock), at most
+-- 1,000 distinct keys a call (each lock is held until commit; the server's lock table is
+-- shared and fixed). One doorbell for the whole batch.
+CREATE FUNCTION runpool.enqueue_many(runs jsonb) RETURNS SETOF uuid
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    cfg runpool.config;
+    bad record;
+    keys bigint;
+    ids uuid[];
+    idem_keys text[];
+    run_tenants text[];
+    inserted bigint;
+    started timestamptz := clock_timestamp();
+    total bigint;
+    read_committed boolean := current_setting('transaction_isolation') = 'read committed';
+BEGIN
+    IF enqueue_many.runs IS NULL OR jsonb_typeof(enqueue_many.runs) <> 'array' THEN
+        RAISE EXCEPTION 'runpool.enqueue_many: runs must be a JSON array of objects'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    total := jsonb_array_length(enqueue_many.runs);
+    IF total = 0 THEN
+        RETURN;
+    END IF;
+    SELECT * INTO cfg FROM runpool.config;
+    SELECT e.n - 1 AS i, p.problem INTO bad
+    FROM jsonb_array_elements(enqueue_many.runs) WITH ORDINALITY AS e(v, n),
+         LATERAL (SELECT runpool._enqueue_problem(e.v, cfg) AS problem) p
+    WHERE p.problem IS NOT NULL
+    ORDER BY e.n LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'runpool.enqueue_many: runs[%]: %', bad.i, bad.problem
+            USING ERRCODE = CASE WHEN bad.problem LIKE 'input is %' THEN 'program_limit_exceeded'
+                                 ELSE 'invalid_parameter_value' END;
+    END IF;
+    -- Budgets through enqueue's own check (its message names the budget's field).
+    PERFORM runpool.check_budget(e.v -> 'budget')
+    FROM jsonb_array_elements(enqueue_many.runs) WITH ORDINALITY AS e(v, n)
+    WHERE jsonb_typeof(e.v -> 'budget') = 'object'
+    ORDER BY e.n;
+
+    SELECT count(*) INTO keys FROM (
+        SELECT DISTINCT e.v ->> 'tenant', e.v ->> 'serial_key'
+        FROM jsonb_array_elements(enqueue_many.runs) AS e(v)
+        WHERE e.v ->> 'serial_key' IS NOT NULL) k;
+    IF keys > 1000 THEN
+        RAISE EXCEPTION 'runpool.enqueue_many: % distinct serial keys in one call, over the limit of 1000 (each holds a lock until commit): split the batch and commit each part',
+            keys USING ERRCODE = 'program_limit_exceeded';
+    END IF;
+    IF keys > 0 THEN
+        -- As enqueue does, before its check of the key's runs: the check below sees every run
+        -- of each key committed before its lock was granted.
+        PERFORM pg_advisory_xact_lock(runpool.serial_key_lock(k.tenant, k.serial_key))
+        FROM (SELECT DISTINCT e.v ->> 'tenant' AS tenant, e.v ->> 'serial_key' AS serial_key
+              FROM jsonb_array_elements(enqueue_many.runs) AS e(v)
+              WHERE e.v ->> 'serial_key' IS NOT NULL
+              ORDER BY 1, 2) k;
+    END IF;
+
+    INSERT INTO runpool.tenants (tenant)
+    SELECT DISTINCT e.v ->> 'tenant' FROM jsonb_array_elements(enqueue_many.runs) AS e(v)
+    ORDER BY 1
+    ON CONFLICT DO NOTHING;
+
+    -- The runs, their events and the ids in input order (NULL where an idempotency key
+    -- conflicted: looked up below, in a statement of its own, as enqueue does).
+    WITH p AS MATERIALIZED (
+        SELECT e.n, gen_random_uuid() AS id, e.v ->> 'tenant' AS tenant,
+               e.v ->> 'handler' AS handler,
+               coalesce(nullif(e.v -> 'input', 'null'::jsonb), '{}') AS input,
+               coalesce((e.v ->> 'priority')::numeric::int, 0) AS priority,
+               e.v ->> 'idempotency_key' AS idempotency_key,
+               runpool._time_or_null(e.v ->> 'run_at') AS run_at,
+               (e.v ->> 'max_attempts')::numeric::int AS max_attempts,
+               e.v ->> 'traceparent' AS traceparent, e.v ->> 'serial_key' AS serial_key,
+               make_interval(secs => (e.v ->> 'timeout')::float8) AS timeout,
+               runpool._time_or_null(e.v ->> 'deadline') AS deadline,
+               nullif(e.v -> 'budget', 'null'::jsonb) AS budget,
+               -- A microsecond apart, ending now: the batch keeps its order in the queue.
+               started - (total - e.n) * interval '1 microsecond' AS arrival,
+               -- Taken in input order (this scan's): a key's runs run in the order given.
+               CASE WHEN e.v ->> 'serial_key' IS NOT NULL THEN nextval('runpool.serial_order')
+               END AS position
+        FROM jsonb_array_elements(enqueue_many.runs) WITH ORDINALITY AS e(v, n)
+    ), q AS (
+        SELECT p.*, greatest(coalesce(p.run_at, p.arrival), p.arrival) AS available,
+               p.serial_key IS NOT NULL AND (
+                   NOT read_committed
+                   -- an earlier run of the key in this call, or one queued or running
+                   OR count(*) FILTER (WHERE p.serial_key IS NOT NULL)
+                          OVER (PARTITION BY p.tenant, p.serial_key ORDER BY p.n) > 1
+                   OR EXISTS (SELECT 1 FROM runpool.runs r
+                              WHERE r.tenant = p.tenant AND r.serial_key = p.serial_key
+                                AND r.status IN ('queued', 'running'))) AS waits,
+               EXISTS (SELECT 1 FROM runpool.tenants t
+                       WHERE t.tenant = p.tenant AND t.max_running = 0) AS is_paused
+        FROM p
+    ), ins AS (
+        INSERT INTO runpool.runs AS r (
+            id, tenant, handler, input, priority, idempotency_key, available_at, rank,
+            max_attempts, traceparent, serial_key, serial_order, held, deferred, paused,
+            attempt_timeout, deadline, budget
+        )
+        SELECT q.id, q.tenant, q.handler, q.input, q.priority, q.idempotency_key, q.available,
+               runpool.rank(q.available, q.priority, cfg.aging_seconds),
+               coalesce(q.max_attempts, cfg.default_max_attempts), q.traceparent,
+               q.serial_key, q.position, q.waits,
+               coalesce(q.run_at > clock_timestamp(), false), q.is_paused,
+               q.timeout, q.deadline, q.budget
+        FROM q ORDER BY q.n
+        ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+        RETURNING r.id, r.held, r.serial_key
+    ), ev AS (
+        INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
+        SELECT ins.id, 'enqueued', 0, CASE WHEN ins.held
+            THEN jsonb_build_object('held_by_serial_key', ins.serial_key) END
+        FROM ins
+    )
+    SELECT array_agg(ins.id ORDER BY p.n), array_agg(p.idempotency_key ORDER BY p.n),
+           array_agg(p.tenant ORDER BY p.n), count(ins.id)
+    INTO ids, idem_keys, run_tenants, inserted
+    FROM p LEFT JOIN ins ON ins.id = p.id;
+
+    IF array_position(ids, NULL) IS NOT NULL THEN
+        -- An earlier run (committed, this call's, or a concurrent enqueue's that won) holds
+        -- the key; under READ COMMITTED this statement sees it.
+        SELECT array_agg(coalesce(x.id, (SELECT r.id FROM runpool.runs r
+                                         WHERE r.tenant = x.tenant
+                                           AND r.idempotency_key = x.idempotency_key))
+                         ORDER BY x.n)
+        INTO ids
+        FROM unnest(ids, run_tenants, idem_keys) WITH ORDINALITY AS x(id, tenant, idempotency_key, n);
+    END IF;
+    -- One doorbell for the batch, when it added a run (a repeat of known keys adds none).
+    IF inserted > 0 THEN
+        PERFORM pg_notify('runpool_wakeup', '');
+    END IF;
+    RETURN QUERY SELECT unnest(ids);
+END
+$$;
+
+REVOKE ALL ON FUNCTION
+    runpool._time_or_null(text),
+    runpool._enqueue_problem(jsonb, runpool.config),
+    runpool.enqueue_many(jsonb)
+FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION runpool.enqueue_many(jsonb) TO runpool_api, runpool_worker;
