@@ -6,7 +6,7 @@
 
 -- A time given as JSON text, or NULL when it is not one (enqueue_many names the field).
 CREATE FUNCTION runpool._time_or_null(value text) RETURNS timestamptz
-LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+LANGUAGE plpgsql STABLE STRICT SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
 BEGIN
     RETURN value::timestamptz;
@@ -14,68 +14,6 @@ EXCEPTION WHEN data_exception THEN
     RETURN NULL;
 END
 $$;
-
--- What is wrong with one element of enqueue_many's array (NULL: nothing), in enqueue's words.
--- The checks are enqueue's (0012), one CASE so that a batch is checked in one pass.
-CREATE FUNCTION runpool._enqueue_problem(v jsonb, cfg runpool.config) RETURNS text
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
-RETURN CASE
-    WHEN jsonb_typeof(v) IS DISTINCT FROM 'object' THEN 'must be a JSON object'
-    WHEN EXISTS (SELECT 1 FROM jsonb_object_keys(v) k
-                 WHERE k NOT IN ('tenant', 'handler', 'input', 'priority', 'idempotency_key',
-                                 'run_at', 'max_attempts', 'traceparent', 'serial_key',
-                                 'timeout', 'deadline', 'budget'))
-        THEN 'unknown key ' || (SELECT min(quote_literal(k)) FROM jsonb_object_keys(v) k
-                 WHERE k NOT IN ('tenant', 'handler', 'input', 'priority', 'idempotency_key',
-                                 'run_at', 'max_attempts', 'traceparent', 'serial_key',
-                                 'timeout', 'deadline', 'budget'))
-    WHEN jsonb_typeof(v -> 'tenant') IS DISTINCT FROM 'string'
-         OR length(v ->> 'tenant') NOT BETWEEN 1 AND runpool.max_name_length()
-        THEN 'tenant must be 1 to ' || runpool.max_name_length() || ' characters'
-    WHEN jsonb_typeof(v -> 'handler') IS DISTINCT FROM 'string'
-         OR length(v ->> 'handler') NOT BETWEEN 1 AND runpool.max_name_length()
-        THEN 'handler must be 1 to ' || runpool.max_name_length() || ' characters'
-    WHEN coalesce(jsonb_typeof(v -> 'priority'), 'null') NOT IN ('null', 'number')
-         OR (v ->> 'priority')::numeric NOT BETWEEN -100 AND 100
-         OR (v ->> 'priority')::numeric <> trunc((v ->> 'priority')::numeric)
-        THEN 'priority must be an integer between -100 and 100, got ' || (v -> 'priority')::text
-    WHEN coalesce(jsonb_typeof(v -> 'max_attempts'), 'null') NOT IN ('null', 'number')
-         OR (v ->> 'max_attempts')::numeric NOT BETWEEN 1 AND 1000
-         OR (v ->> 'max_attempts')::numeric <> trunc((v ->> 'max_attempts')::numeric)
-        THEN 'max_attempts must be an integer between 1 and 1000, got '
-             || (v -> 'max_attempts')::text
-    WHEN coalesce(jsonb_typeof(v -> 'idempotency_key'), 'null') NOT IN ('null', 'string')
-         OR length(v ->> 'idempotency_key') NOT BETWEEN 1 AND runpool.max_name_length()
-        THEN 'idempotency_key must be 1 to ' || runpool.max_name_length() || ' characters'
-    WHEN coalesce(jsonb_typeof(v -> 'serial_key'), 'null') NOT IN ('null', 'string')
-         OR length(v ->> 'serial_key') NOT BETWEEN 1 AND runpool.max_name_length()
-        THEN 'serial_key must be 1 to ' || runpool.max_name_length() || ' characters'
-    WHEN coalesce(jsonb_typeof(v -> 'traceparent'), 'null') NOT IN ('null', 'string')
-         OR length(v ->> 'traceparent') > 128
-        THEN 'traceparent must be text of at most 128 characters'
-    WHEN coalesce(jsonb_typeof(v -> 'run_at'), 'null') NOT IN ('null', 'string')
-         OR (v ->> 'run_at' IS NOT NULL AND NOT coalesce(
-                isfinite(runpool._time_or_null(v ->> 'run_at'))
-                AND runpool._time_or_null(v ->> 'run_at') <= clock_timestamp() + interval '10 years',
-                false))
-        THEN 'run_at must be a finite time at most 10 years ahead, got ' || (v -> 'run_at')::text
-    -- Seconds, as the Python API sends a timeout.
-    WHEN coalesce(jsonb_typeof(v -> 'timeout'), 'null') NOT IN ('null', 'number')
-         OR (v ->> 'timeout')::numeric <= 0 OR (v ->> 'timeout')::numeric > 366 * 86400
-         -- under a microsecond is an interval of 0
-         OR make_interval(secs => (v ->> 'timeout')::float8) <= interval '0'
-        THEN 'timeout must be a number of seconds, more than 0 and at most a year, got '
-             || (v -> 'timeout')::text
-    WHEN coalesce(jsonb_typeof(v -> 'deadline'), 'null') NOT IN ('null', 'string')
-         OR (v ->> 'deadline' IS NOT NULL
-             AND NOT coalesce(isfinite(runpool._time_or_null(v ->> 'deadline')), false))
-        THEN 'deadline must be a finite time, got ' || (v -> 'deadline')::text
-    WHEN coalesce(jsonb_typeof(v -> 'budget'), 'null') NOT IN ('null', 'object')
-        THEN 'budget must be a JSON object'
-    WHEN octet_length(coalesce(v -> 'input', '{}')::text) > cfg.max_input_bytes
-        THEN 'input is ' || octet_length((v -> 'input')::text) || ' bytes, over the limit of '
-             || cfg.max_input_bytes || ' bytes'
-END;
 
 -- Enqueue many runs in one call: `runs` is a JSON array of objects keyed by enqueue's
 -- parameter names (tenant and handler required; a timeout in seconds, times as ISO text).
@@ -101,6 +39,10 @@ DECLARE
     started timestamptz := clock_timestamp();
     total bigint;
     read_committed boolean := current_setting('transaction_isolation') = 'read committed';
+    known constant text[] := ARRAY['tenant', 'handler', 'input', 'priority', 'idempotency_key',
+                                   'run_at', 'max_attempts', 'traceparent', 'serial_key',
+                                   'timeout', 'deadline', 'budget'];
+    max_input integer;
 BEGIN
     IF enqueue_many.runs IS NULL OR jsonb_typeof(enqueue_many.runs) <> 'array' THEN
         RAISE EXCEPTION 'runpool.enqueue_many: runs must be a JSON array of objects'
@@ -111,11 +53,64 @@ BEGIN
         RETURN;
     END IF;
     SELECT * INTO cfg FROM runpool.config;
-    SELECT e.n - 1 AS i, p.problem INTO bad
-    FROM jsonb_array_elements(enqueue_many.runs) WITH ORDINALITY AS e(v, n),
-         LATERAL (SELECT runpool._enqueue_problem(e.v, cfg) AS problem) p
+    max_input := cfg.max_input_bytes;
+    -- The first bad element, in enqueue's words (its checks, 0012), in one pass over the batch.
+    SELECT p.i, p.problem INTO bad FROM (
+        SELECT e.n - 1 AS i, CASE
+               WHEN jsonb_typeof(e.v) IS DISTINCT FROM 'object' THEN 'must be a JSON object'
+               WHEN e.v - known <> '{}'::jsonb
+                   THEN 'unknown key ' || (SELECT min(quote_literal(k)) FROM jsonb_object_keys(e.v - known) k)
+               WHEN jsonb_typeof(e.v -> 'tenant') IS DISTINCT FROM 'string'
+                    OR length(e.v ->> 'tenant') NOT BETWEEN 1 AND runpool.max_name_length()
+                   THEN 'tenant must be 1 to ' || runpool.max_name_length() || ' characters'
+               WHEN jsonb_typeof(e.v -> 'handler') IS DISTINCT FROM 'string'
+                    OR length(e.v ->> 'handler') NOT BETWEEN 1 AND runpool.max_name_length()
+                   THEN 'handler must be 1 to ' || runpool.max_name_length() || ' characters'
+               WHEN coalesce(jsonb_typeof(e.v -> 'priority'), 'null') NOT IN ('null', 'number')
+                    OR (e.v ->> 'priority')::numeric NOT BETWEEN -100 AND 100
+                    OR (e.v ->> 'priority')::numeric <> trunc((e.v ->> 'priority')::numeric)
+                   THEN 'priority must be an integer between -100 and 100, got ' || (e.v -> 'priority')::text
+               WHEN coalesce(jsonb_typeof(e.v -> 'max_attempts'), 'null') NOT IN ('null', 'number')
+                    OR (e.v ->> 'max_attempts')::numeric NOT BETWEEN 1 AND 1000
+                    OR (e.v ->> 'max_attempts')::numeric <> trunc((e.v ->> 'max_attempts')::numeric)
+                   THEN 'max_attempts must be an integer between 1 and 1000, got '
+                        || (e.v -> 'max_attempts')::text
+               WHEN coalesce(jsonb_typeof(e.v -> 'idempotency_key'), 'null') NOT IN ('null', 'string')
+                    OR length(e.v ->> 'idempotency_key') NOT BETWEEN 1 AND runpool.max_name_length()
+                   THEN 'idempotency_key must be 1 to ' || runpool.max_name_length() || ' characters'
+               WHEN coalesce(jsonb_typeof(e.v -> 'serial_key'), 'null') NOT IN ('null', 'string')
+                    OR length(e.v ->> 'serial_key') NOT BETWEEN 1 AND runpool.max_name_length()
+                   THEN 'serial_key must be 1 to ' || runpool.max_name_length() || ' characters'
+               WHEN coalesce(jsonb_typeof(e.v -> 'traceparent'), 'null') NOT IN ('null', 'string')
+                    OR length(e.v ->> 'traceparent') > 128
+                   THEN 'traceparent must be text of at most 128 characters'
+               WHEN coalesce(jsonb_typeof(e.v -> 'run_at'), 'null') NOT IN ('null', 'string')
+                    OR (e.v ->> 'run_at' IS NOT NULL AND NOT coalesce(
+                           isfinite(runpool._time_or_null(e.v ->> 'run_at'))
+                           AND runpool._time_or_null(e.v ->> 'run_at') <= clock_timestamp() + interval '10 years',
+                           false))
+                   THEN 'run_at must be a finite time at most 10 years ahead, got ' || (e.v -> 'run_at')::text
+               -- Seconds, as the Python API sends a timeout.
+               WHEN coalesce(jsonb_typeof(e.v -> 'timeout'), 'null') NOT IN ('null', 'number')
+                    OR (e.v ->> 'timeout')::numeric <= 0 OR (e.v ->> 'timeout')::numeric > 366 * 86400
+                    -- under a microsecond is an interval of 0
+                    OR make_interval(secs => (e.v ->> 'timeout')::float8) <= interval '0'
+                   THEN 'timeout must be a number of seconds, more than 0 and at most a year, got '
+                        || (e.v -> 'timeout')::text
+               WHEN coalesce(jsonb_typeof(e.v -> 'deadline'), 'null') NOT IN ('null', 'string')
+                    OR (e.v ->> 'deadline' IS NOT NULL
+                        AND NOT coalesce(isfinite(runpool._time_or_null(e.v ->> 'deadline')), false))
+                   THEN 'deadline must be a finite time, got ' || (e.v -> 'deadline')::text
+               WHEN coalesce(jsonb_typeof(e.v -> 'budget'), 'null') NOT IN ('null', 'object')
+                   THEN 'budget must be a JSON object'
+               WHEN octet_length(coalesce(e.v -> 'input', '{}')::text) > max_input
+                   THEN 'input is ' || octet_length((e.v -> 'input')::text) || ' bytes, over the limit of '
+                        || max_input || ' bytes'
+           END AS problem
+        FROM jsonb_array_elements(enqueue_many.runs) WITH ORDINALITY AS e(v, n)
+    ) p
     WHERE p.problem IS NOT NULL
-    ORDER BY e.n LIMIT 1;
+    ORDER BY p.i LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION 'runpool.enqueue_many: runs[%]: %', bad.i, bad.problem
             USING ERRCODE = CASE WHEN bad.problem LIKE 'input is %' THEN 'program_limit_exceeded'
@@ -158,11 +153,12 @@ BEGIN
                coalesce(nullif(e.v -> 'input', 'null'::jsonb), '{}') AS input,
                coalesce((e.v ->> 'priority')::numeric::int, 0) AS priority,
                e.v ->> 'idempotency_key' AS idempotency_key,
-               runpool._time_or_null(e.v ->> 'run_at') AS run_at,
+               -- Valid by now (checked above): plain casts.
+               (e.v ->> 'run_at')::timestamptz AS run_at,
                (e.v ->> 'max_attempts')::numeric::int AS max_attempts,
                e.v ->> 'traceparent' AS traceparent, e.v ->> 'serial_key' AS serial_key,
                make_interval(secs => (e.v ->> 'timeout')::float8) AS timeout,
-               runpool._time_or_null(e.v ->> 'deadline') AS deadline,
+               (e.v ->> 'deadline')::timestamptz AS deadline,
                nullif(e.v -> 'budget', 'null'::jsonb) AS budget,
                -- A microsecond apart, ending now: the batch keeps its order in the queue.
                started - (total - e.n) * interval '1 microsecond' AS arrival,
@@ -229,7 +225,6 @@ $$;
 
 REVOKE ALL ON FUNCTION
     runpool._time_or_null(text),
-    runpool._enqueue_problem(jsonb, runpool.config),
     runpool.enqueue_many(jsonb)
 FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION runpool.enqueue_many(jsonb) TO runpool_api, runpool_worker;
