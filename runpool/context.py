@@ -21,6 +21,7 @@ import checkpoints
 from checkpoints import CallMismatch, Message, ToolCall
 
 from . import costs, faults, telemetry
+from .commits import CommitGroup
 from .control import RunControl
 from .db import dumps, jsonb, loads, retrying, transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, UsageError
@@ -76,6 +77,7 @@ class Run(WaitMethods):
         usage: Mapping[str, Any] | None = None,
         traceparent: str | None = None,
         short_sleep: float = 0.0,
+        commits: CommitGroup | None = None,
     ) -> None:
         self.id = id
         self.tenant = tenant
@@ -83,6 +85,8 @@ class Run(WaitMethods):
         self.attempt = attempt
         self.input = input
         self._pool = pool
+        # The worker's group commit of checkpoint writes (None: each write commits alone).
+        self._commits = commits
         self._max_bytes = max_message_bytes
         self._write_timeout = write_timeout
         self._messages = list(messages)
@@ -145,6 +149,9 @@ class Run(WaitMethods):
         connection if its first one broke: a finished tool's result is never thrown away
         because the pool handed out a connection the server had closed."""
         try:
+            if self._commits is not None:
+                return await self._commits.write(  # type: ignore[no-any-return]
+                    op, self._write_timeout, what=what, log={"run_id": str(self.id)})
             return await retrying(pool, self._write_timeout, op, what=what,
                                   log={"run_id": str(self.id)})
         except LeaseLost:

@@ -18,6 +18,7 @@ import checkpoints
 from . import costs, metrics, outcomes, telemetry
 from .app import App
 from .claiming import ClaimedRun
+from .commits import CommitGroup
 from .context import Run
 from .control import RunControl
 from .db import again, bounded
@@ -67,6 +68,8 @@ class SlotRunner:
         # _after_suspend): cancelled at the vacate, so 10,000 runs starting to wait keep no
         # slot alive for the grace.
         self._lingering: dict[Slot, asyncio.TimerHandle] = {}
+        # Checkpoint writes of all this worker's runs share commits under load.
+        self._commits = CommitGroup(pool)
 
     def start(self, c: ClaimedRun, sent: float) -> None:
         """Run a claimed attempt in a slot of its own (`sent`: when its claim was sent)."""
@@ -181,7 +184,8 @@ class SlotRunner:
                       control=slot.control,
                       progress=self._progress.offer if self._progress is not None else None,
                       budget=costs.decode(c.budget), usage=costs.decode(c.usage),
-                      traceparent=c.traceparent, short_sleep=s.lease_seconds / 3)
+                      traceparent=c.traceparent, short_sleep=s.lease_seconds / 3,
+                      commits=self._commits)
             with telemetry.agent_span(c.id, c.handler):
                 if handler.is_async:
                     result = await handler.fn(run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 from typing import Any
 
@@ -121,3 +122,25 @@ async def await_signal(run: Run) -> Any:
     """W14: waits (out of its slot) for signal "go"; returns when it saw it."""
     await run.wait_for("go")
     return time.time()
+
+
+async def _lookup(arguments: Any, key: str) -> Any:
+    return {"turn": arguments["turn"], "hits": ["a result line of a search tool"] * 3}
+
+
+@app.handler("agent")
+async def agent(run: Run) -> Any:
+    """W11: `turns` agent turns: a model call (a sleep of `low`..`high` s), one tool call with
+    its checkpoint, and a message. Returns each tool call's and message's write time (ms)."""
+    turns, low, high = int(run.input["turns"]), float(run.input["low"]), float(run.input["high"])
+    rng = random.Random(str(run.id))
+    tool_ms, message_ms = [], []
+    for turn in range(turns):
+        await asyncio.sleep(rng.uniform(low, high))
+        t0 = time.perf_counter()
+        found = await run.tool(f"t{turn}", "search", {"turn": turn}, _lookup)
+        t1 = time.perf_counter()
+        await run.add_message("assistant", {"turn": turn, "read": len(found["hits"])})
+        tool_ms.append(round((t1 - t0) * 1000, 3))
+        message_ms.append(round((time.perf_counter() - t1) * 1000, 3))
+    return {"tool_ms": tool_ms, "message_ms": message_ms}

@@ -1,5 +1,5 @@
-"""The benchmark workloads (W1-W17, Wcommits; W14 is wait_bench's, W1p, W16 and Wcommits
-host_workloads', W17 ops_workloads'); `python -m runpool bench` runs them."""
+"""The benchmark workloads (W1-W18, Wcommits; W14 is wait_bench's, W1p, W16 and Wcommits
+host_workloads', W17 ops_workloads', W11 agent_workloads'); `python -m runpool bench` runs them."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..db import connect
 from ..enqueue import RunSpec, enqueue, enqueue_many
 from ..testing.databases import scratch_database
 from ..testing.pools import PoolProcess, running_pool
+from .agent_workloads import w11_agent_load
 from .host_workloads import w1p_pooler, w16_many_claimers, wcommits
 from .live_workloads import w12_follow_latency, w13_progress_cost
 from .measure import (
@@ -41,24 +42,26 @@ def _pool(dsn: str, **settings: Any) -> AbstractContextManager[PoolProcess]:
     return running_pool(dsn, BENCH_APP, stop="drain", output="discard", **settings)
 
 
-def _drain(conn: psycopg.Connection[Any], dsn: str, specs: list[RunSpec]) -> tuple[float, float]:
+def _drain(conn: psycopg.Connection[Any], dsn: str, specs: list[RunSpec], *, workers: int = 2
+           ) -> tuple[float, float]:
     """Enqueue `specs` in bulk (chunks of 2,000, one transaction), then drain them with
-    2 workers x 10; returns (enqueue runs/s, drain runs/s by the database's clock)."""
+    `workers` workers x 10; returns (enqueue runs/s, drain runs/s by the database's clock)."""
     started = time.perf_counter()
     for chunk in range(0, len(specs), 2000):
         enqueue_many(conn, specs[chunk:chunk + 2000])
     conn.commit()
     enqueue_rate = len(specs) / (time.perf_counter() - started)
     conn.autocommit = True
-    with _pool(dsn, workers=2, concurrency=10):
+    with _pool(dsn, workers=workers, concurrency=10):
         wait_until(conn, COUNT_DONE, len(specs), timeout=900)
     row = conn.execute(DRAIN_RATE).fetchone()
     assert row is not None
     return enqueue_rate, float(row[0])
 
 
-def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False) -> dict[str, Any]:
-    """W1: `runs` no-op runs enqueued in bulk, drained by 2 workers x 10."""
+def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False, workers: int = 2
+                  ) -> dict[str, Any]:
+    """W1: `runs` no-op runs enqueued in bulk, drained by `workers` (2) workers x 10."""
     with scratch_database(server) as dsn, connect(dsn) as conn:
         tenants = 4 if quotas else 1
         if quotas:
@@ -67,8 +70,9 @@ def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False) -> d
             conn.commit()
         enqueue_rate, drain_rate = _drain(conn, dsn, [
             RunSpec(f"tenant{i % tenants}", "noop", priority=(i % 7) - 3 if quotas else 0)
-            for i in range(runs)])
-        return {"workload": "W1q" if quotas else "W1", "runs": runs,
+            for i in range(runs)], workers=workers)
+        name = "W1q" if quotas else "W1" if workers == 2 else f"W1w{workers}"
+        return {"workload": name, "runs": runs, "workers": workers,
                 "runs_per_s": round(drain_rate, 1), "enqueue_per_s": round(enqueue_rate, 1)}
 
 
@@ -352,7 +356,7 @@ def w9_cancel_latency(server: str) -> dict[str, Any]:
 PIN_SCHEDULES: Final = """
 UPDATE runpool.schedules SET
     next_fire_at = date_trunc('second', now()) + (2 + mod(substr(name, 5)::int, 4)) * interval '1 s'
-WHERE left(name, 4) = 'w11-'
+WHERE left(name, 4) = 'w18-'
 """
 SCHEDULED_RUNS: Final = "SELECT count(*) FROM runpool.runs WHERE idempotency_key LIKE 'schedule:%'"
 # Fire lateness: the run's creation (the firing transaction's start) minus its plan time.
@@ -362,15 +366,15 @@ FROM runpool.runs WHERE idempotency_key LIKE 'schedule:%'
 """
 
 
-def w11_schedule_lateness(server: str, *, schedules: int = 20, rounds: int = 5
+def w18_schedule_lateness(server: str, *, schedules: int = 20, rounds: int = 5
                           ) -> dict[str, Any]:
-    """W11: fire lateness (run created - plan time) of 20 schedules whose plans are pinned
+    """W18: fire lateness (run created - plan time) of 20 schedules whose plans are pinned
     2-5 s ahead, 5 rounds, three pools of 1 worker racing for every plan (plus any real
     minute boundary that passes meanwhile)."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
         for i in range(schedules):
             conn.execute("SELECT runpool.set_schedule(%s, '* * * * *', 'bench', 'noop',"
-                         " catch_up => 'skip')", (f"w11-{i}",))
+                         " catch_up => 'skip')", (f"w18-{i}",))
         with contextlib.ExitStack() as pools:
             for _ in range(3):
                 pools.enter_context(_pool(dsn, workers=1))
@@ -383,7 +387,7 @@ def w11_schedule_lateness(server: str, *, schedules: int = 20, rounds: int = 5
         duplicates = conn.execute(
             "SELECT count(*) - count(DISTINCT idempotency_key) FROM runpool.runs").fetchone()
     assert duplicates is not None
-    return {"workload": "W11", "plans": len(late), "p50_ms": round(percentile(late, 50) * 1000, 2),
+    return {"workload": "W18", "plans": len(late), "p50_ms": round(percentile(late, 50) * 1000, 2),
             "p99_ms": round(percentile(late, 99) * 1000, 2), "max_ms": round(max(late) * 1000, 2),
             "duplicates": int(duplicates[0])}
 
@@ -435,6 +439,8 @@ def scalar_count(conn: psycopg.Connection[Any], query: Any) -> int:
 WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W1": w1_throughput,
     "W1q": lambda server: w1_throughput(server, quotas=True),
+    "W1w1": lambda server: w1_throughput(server, workers=1),
+    "W1w4": lambda server: w1_throughput(server, workers=4),
     "W2": w2_latency,
     "W3": w3_idle,
     "W5": w5_fairness,
@@ -444,7 +450,9 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W8": w8_resume_cost,
     "W9": w9_cancel_latency,
     "W10": w10_serial_keys,
-    "W11": w11_schedule_lateness,
+    "W11": w11_agent_load,
+    "W11x500": lambda server: {**w11_agent_load(server, slots=500), "workload": "W11x500"},
+    "W11x2000": lambda server: {**w11_agent_load(server, slots=2000), "workload": "W11x2000"},
     "W12": w12_follow_latency,
     "W13": w13_progress_cost,
     "W15": w15_rate_limit,
@@ -453,4 +461,5 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W16t": lambda server: w16_many_claimers(server, tenants=16),
     "Wcommits": wcommits,
     "W17": w17_purge,
+    "W18": w18_schedule_lateness,
 }

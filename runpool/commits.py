@@ -1,0 +1,166 @@
+"""Group commit of checkpoint writes: the writes of a worker's runs that wait at the same time
+share one transaction, so thousands of runs in flight cost a commit per batch, not per write.
+
+A write is `op(conn, try_number)`, one fenced statement of runpool.checkpoints (safe to
+repeat: a later try reads back what an earlier one committed). While fewer than MAX_INFLIGHT
+batches are in flight a write goes at once, alone and in autocommit, exactly as it would
+without this module; past that, the writes arriving meanwhile wait and go together in the next
+batch. In a batch each run's write is its own statement in the shared transaction:
+
+- a write refused without an error (a lost lease, a call id reused) is answered at once and
+  leaves the transaction intact;
+- a statement the database fails aborts the transaction: that write gets its error (nothing
+  of it was committed, as on its own), the batch is rolled back and the others go again
+  (rolled back, so nothing of theirs was committed either);
+- a connection or commit that fails transiently answers every write of the batch with that
+  error, and each is repeated by `again` on its try count (it may have committed).
+
+The writes of one run are serialised by the run (Run._write_lock): a run is in at most one
+batch at a time, and a batch's row locks are of distinct runs, so batches never wait for each
+other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import psycopg
+from psycopg import pq
+from psycopg_pool import AsyncConnectionPool
+
+from .db import again, bounded
+
+__all__ = ["CommitGroup"]
+
+T = TypeVar("T")
+Op = Callable[[psycopg.AsyncConnection[Any], int], Awaitable[Any]]
+
+# Batches in flight at once before writes start to wait and group: few enough that a loaded
+# worker's writes batch (W11: 2,000 runs in flight), and a pool's other users (claims,
+# heartbeats, outcomes) keep connections.
+MAX_INFLIGHT: Final = 4
+# The most writes in one transaction (its row locks are held until its commit).
+MAX_BATCH: Final = 200
+
+
+@dataclass(slots=True)
+class _Write:
+    op: Op
+    tries: int
+    deadline: float
+    done: asyncio.Future[Any]
+
+
+class _Retry(Exception):
+    """A statement of the batch failed: roll it back (the failed write has its answer)."""
+
+
+class CommitGroup:
+    """One per worker: checkpoint writes of all its runs, committed in groups under load."""
+
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self._pool = pool
+        self._queue: deque[_Write] = deque()
+        self._inflight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Commits made and writes they carried (W11 reports them).
+        self.commits = 0
+        self.writes = 0
+
+    async def write(self, op: Op, seconds: float, *, what: str,
+                    log: dict[str, str] | None = None) -> Any:
+        """Run `op` in the next batch, again when it fails transiently, within `seconds`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+
+        async def once(tries: int) -> Any:
+            done: asyncio.Future[Any] = loop.create_future()
+            self._queue.append(_Write(op, tries, deadline, done))
+            self._kick()
+            return await done
+
+        return await again(once, seconds, what=what, log=log)
+
+    def _kick(self) -> None:
+        while self._queue and self._inflight < MAX_INFLIGHT:
+            batch: list[_Write] = []
+            while self._queue and len(batch) < MAX_BATCH:
+                w = self._queue.popleft()
+                if not w.done.done():  # its caller gave up (cancelled): never sent
+                    batch.append(w)
+            if not batch:
+                return
+            self._inflight += 1
+            task = asyncio.get_running_loop().create_task(self._flush(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._flushed)
+
+    def _flushed(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._inflight -= 1
+        self._kick()
+
+    async def _flush(self, batch: list[_Write]) -> None:
+        loop = asyncio.get_running_loop()
+        left = max(min(w.deadline for w in batch) - loop.time(), 0.001)
+        try:
+            if len(batch) == 1:
+                await self._alone(batch[0], left)
+            else:
+                await self._together(batch, left)
+        except BaseException as exc:
+            for w in batch:
+                _answer(w, exc=exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _alone(self, w: _Write, seconds: float) -> None:
+        async with bounded(self._pool, seconds) as conn:
+            try:
+                result = await w.op(conn, w.tries)
+            except Exception as exc:
+                _answer(w, exc=exc)
+                return
+        self.commits += 1
+        self.writes += 1
+        _answer(w, result=result)
+
+    async def _together(self, batch: list[_Write], seconds: float) -> None:
+        results: list[tuple[_Write, Any]] = []
+        again_later: list[_Write] = []
+        try:
+            async with bounded(self._pool, seconds) as conn, conn.transaction():
+                for i, w in enumerate(batch):
+                    if w.done.done():
+                        continue
+                    try:
+                        results.append((w, await w.op(conn, w.tries)))
+                    except psycopg.Error as exc:
+                        if conn.info.transaction_status != pq.TransactionStatus.INERROR:
+                            raise  # the connection itself: every write is answered with it
+                        _answer(w, exc=exc)
+                        again_later = [r for r, _ in results] + batch[i + 1:]
+                        raise _Retry from exc
+                    except Exception as exc:
+                        # Refused without an error (LeaseLost, CallMismatch): nothing written.
+                        _answer(w, exc=exc)
+        except _Retry:
+            self._queue.extendleft(reversed(again_later))
+            return
+        self.commits += 1
+        self.writes += len(results)
+        for w, result in results:
+            _answer(w, result=result)
+
+
+def _answer(w: _Write, *, result: Any = None, exc: BaseException | None = None) -> None:
+    if w.done.done():
+        return
+    if exc is not None:
+        w.done.set_exception(exc)
+    else:
+        w.done.set_result(result)
