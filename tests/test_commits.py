@@ -1,0 +1,137 @@
+"""Group commit of checkpoint writes (runpool/commits.py): writes waiting together share a
+commit, a refused or failing write fails alone, a broken connection repeats every write."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+import runpool
+from runpool.commits import MAX_INFLIGHT, CommitGroup
+from runpool.db import connect, open_pool
+from runpool.errors import LeaseLost
+from tests.helpers import running_pool, scalar, wait_for
+
+TABLE = "CREATE TABLE written (x int PRIMARY KEY, tries int NOT NULL)"
+
+
+def _insert(x: int) -> Any:
+    async def op(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        # Safe to repeat, as checkpoint writes are: a later try accepts its own earlier row.
+        cur = await conn.execute(
+            "INSERT INTO written VALUES (%s, %s) ON CONFLICT (x) DO NOTHING RETURNING x",
+            (x, tries))
+        row = await cur.fetchone()
+        return x if row is None else int(row[0])
+    return op
+
+
+def test_commit_group__waiting_writes_share_commits_and_a_failing_one_fails_alone(
+        dsn: str) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute(TABLE)
+
+    async def refused(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        await conn.execute("SELECT 1")
+        raise LeaseLost("this attempt lost its lease")  # no database error: nothing written
+
+    async def failing(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        await conn.execute("SELECT 1 / 0")  # aborts the shared transaction
+        return -1
+
+    async def main() -> list[Any]:
+        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="test-commits")
+        try:
+            group = CommitGroup(pool)
+            ops = [failing if x == 30 else refused if x == 40 else _insert(x) for x in range(80)]
+            out = await asyncio.gather(*(group.write(op, 10, what="test") for op in ops),
+                                       return_exceptions=True)
+            assert group.commits < group.writes, (group.commits, group.writes)
+            return out
+        finally:
+            await pool.close()
+
+    out = asyncio.run(main())
+    assert isinstance(out[30], psycopg.errors.DivisionByZero)
+    assert isinstance(out[40], LeaseLost)
+    assert [x for x in range(80) if out[x] != x] == [30, 40]
+    with connect(dsn, autocommit=True) as conn:
+        rows = [x for (x,) in conn.execute("SELECT x FROM written ORDER BY x")]
+    assert rows == [x for x in range(80) if x not in (30, 40)]
+
+
+def test_commit_group__a_connection_broken_mid_batch_repeats_each_write_once(dsn: str) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute(TABLE)
+
+    async def breaks_once(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        if tries == 0:
+            await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        return await _insert(999)(conn, tries)
+
+    async def main() -> list[Any]:
+        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="test-commits")
+        try:
+            group = CommitGroup(pool)
+            ops = [breaks_once if x == 50 else _insert(x) for x in range(100)]
+            return await asyncio.gather(*(group.write(op, 20, what="test") for op in ops))
+        finally:
+            await pool.close()
+
+    out = asyncio.run(main())
+    assert out == [999 if x == 50 else x for x in range(100)]
+    with connect(dsn, autocommit=True) as conn:
+        assert scalar(conn, "SELECT count(*) FROM written") == 100
+
+
+def test_commit_group__a_real_pool_of_agents_commits_less_than_once_per_write(
+        dsn: str, server_dsn: str) -> None:
+    # 60 runs of 8 turns each (a tool call: intent + result; a message) on one worker with
+    # no model wait: without grouping that is 3 commits a turn.
+    runs, turns = 60, 8
+    name = str(conninfo_to_dict(dsn)["dbname"])
+    with connect(dsn, autocommit=True) as conn, connect(server_dsn, autocommit=True) as stats:
+        with running_pool(dsn, "runpool.harness.benchapp:app", workers=1, concurrency=runs,
+                          pool_size=8):
+            wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.workers") == 1, 60)
+            stats.execute("SELECT pg_stat_clear_snapshot()")
+            before = scalar(stats, "SELECT xact_commit FROM pg_stat_database WHERE datname = %s",
+                            name)
+            runpool.enqueue_many(conn, [runpool.RunSpec(
+                "acme", "agent", {"turns": turns, "low": 0.0, "high": 0.001})] * runs)
+            wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.runs"
+                                          " WHERE status = 'succeeded'") == runs, 120)
+            stats.execute("SELECT pg_stat_clear_snapshot()")
+            after = scalar(stats, "SELECT xact_commit FROM pg_stat_database WHERE datname = %s",
+                           name)
+        # Every run's conversation is whole and in order: a tool message and a message a turn.
+        per_run = conn.execute(
+            "SELECT run_id, count(*), max(seq), count(*) FILTER (WHERE role = 'tool')"
+            " FROM runpool.messages GROUP BY run_id").fetchall()
+        calls = scalar(conn, "SELECT count(*) FROM runpool.tool_calls"
+                             " WHERE status = 'succeeded' AND executions = 1")
+    assert len(per_run) == runs
+    assert all((n, top, tools) == (2 * turns, 2 * turns, turns) for _, n, top, tools in per_run)
+    assert calls == runs * turns
+    writes = runs * turns * 3
+    # The stats collector may lag the last commits: the bound is loose on purpose.
+    assert after - before < writes * 0.8, (after - before, writes)
+
+
+def test_commit_group__a_write_alone_commits_alone(dsn: str) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute(TABLE)
+
+    async def main() -> tuple[int, int, Any]:
+        pool = await open_pool(dsn, size=2, name="test-commits")
+        try:
+            group = CommitGroup(pool)
+            got = [await group.write(_insert(x), 10, what="test") for x in range(5)]
+            return group.commits, group.writes, got
+        finally:
+            await pool.close()
+
+    assert asyncio.run(main()) == (5, 5, [0, 1, 2, 3, 4])
