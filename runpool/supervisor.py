@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 
@@ -53,13 +54,25 @@ def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | 
     """The body of one worker process; returns its exit code. `notices_fd`: its end of the
     host's notice relay (None: a LISTEN connection of its own, if listening)."""
     try:
-        return asyncio.run(_worker_async(settings, dsn, app, parent_fd, notices_fd))
+        with asyncio.Runner(loop_factory=_loop_factory(settings)) as runner:
+            return runner.run(_worker_async(settings, dsn, app, parent_fd, notices_fd))
     except SchemaOutOfDate as exc:
         logger.error("%s", exc, extra={"action": "schema_out_of_date"})
         return EXIT_CONFIG
     except UsageError as exc:  # a database this configuration cannot run on (see Pool.start)
         logger.error("%s", exc, extra={"action": "unusable_configuration"})
         return EXIT_CONFIG
+
+
+def _loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when installed and not turned off (None: asyncio's default)."""
+    if settings.uvloop is False:
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int | None,

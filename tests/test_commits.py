@@ -70,7 +70,7 @@ def test_commit_group__a_connection_broken_mid_batch_repeats_each_write_once(dsn
     async def breaks_once(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
         if tries == 0:
             await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
-        return await _insert(999)(conn, tries)
+        return int(await _insert(999)(conn, tries))
 
     async def main() -> list[Any]:
         pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="test-commits")
