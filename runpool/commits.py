@@ -43,8 +43,9 @@ Op = Callable[[psycopg.AsyncConnection[Any], int], Awaitable[Any]]
 # worker's writes batch (W11: 2,000 runs in flight), and a pool's other users (claims,
 # heartbeats, outcomes) keep connections.
 MAX_INFLIGHT: Final = 4
-# The most writes in one transaction (its row locks are held until its commit).
-MAX_BATCH: Final = 200
+# The most writes in one transaction: each holds its run's row (share-locked by the fence)
+# until the commit, and a heartbeat skips a locked row, so a batch is kept short.
+MAX_BATCH: Final = 64
 
 
 @dataclass(slots=True)

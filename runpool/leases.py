@@ -25,6 +25,9 @@ __all__ = ["Cadence", "LeaseKeeper"]
 # The worker's logger: heartbeats are the worker's story (operators filter on one name).
 logger = logging.getLogger("runpool.worker")
 
+# Seconds before a heartbeat that found rows busy beats again (all of them: one statement).
+BUSY_RETRY_SECONDS = 0.5
+
 
 class Cadence:
     """Something done at most once per `interval` seconds (monotonic), e.g. showing the
@@ -93,8 +96,12 @@ class LeaseKeeper:
                 available = beat_pool.get_stats().get("pool_available", 0)
                 pool = beat_pool if available else self._pool
                 try:
-                    await self._beat(pool)
-                    interval = self._settings.heartbeat_seconds
+                    busy = await self._beat(pool)
+                    # A row someone held (a checkpoint batch's fence, an API session's open
+                    # cancel) is tried again soon: waiting a whole interval per busy beat, a
+                    # run written to all the time (W11) went unrenewed until its lease ran out.
+                    interval = (min(BUSY_RETRY_SECONDS, self._settings.heartbeat_seconds)
+                                if busy else self._settings.heartbeat_seconds)
                 except (psycopg.OperationalError, TimeoutError) as exc:
                     logger.warning("heartbeat failed: %r", exc,
                                    extra={"action": "heartbeat_failed", **self._log})
@@ -112,12 +119,13 @@ class LeaseKeeper:
             self._abandon_expired()
             self._ask_when_due()
 
-    async def _beat(self, pool: AsyncConnectionPool) -> None:
+    async def _beat(self, pool: AsyncConnectionPool) -> int:
+        """Renew every held lease in one statement; how many rows were busy (not renewed)."""
         # A cancelled or draining run may have a thread still running: its lease is renewed
         # until the thread returns (or the worker exits with it).
         slots = [s for s in self._slots if s.stop_reason is not StopReason.LEASE_LOST]
         if not slots:
-            return  # an idle worker shows it is alive through its polls
+            return 0  # an idle worker shows it is alive through its polls
         s = self._settings
         sent = time.monotonic()
         async with bounded(pool, s.heartbeat_seconds) as conn:
@@ -130,6 +138,7 @@ class LeaseKeeper:
             held = {run_id: (cancel, overdue) for run_id, cancel, overdue
                     in await cur.fetchall()}
         self._touch.done(sent)
+        busy = 0
         for slot in slots:
             if slot.claimed.id in held:
                 cancel, overdue = held[slot.claimed.id]
@@ -139,6 +148,7 @@ class LeaseKeeper:
                     # watchdog still stops the run if its lease runs out meanwhile.
                     logger.debug("lease of run %s not renewed: its row is locked",
                                  slot.claimed.id, extra={"action": "lease_busy", **slot.extra})
+                    busy += 1
                     continue
                 slot.renew(sent + s.lease_seconds)
                 if cancel:
@@ -147,6 +157,7 @@ class LeaseKeeper:
                     self._on_overdue(slot, overdue)
             elif not slot.finishing and self._slots.holds(slot):
                 self._on_lost(slot, "the database no longer shows this attempt's lease")
+        return busy
 
     def _ask_when_due(self) -> None:
         """A run whose timeout or deadline has come by the local clock (from the database's
