@@ -207,3 +207,25 @@ def test_idle_worker__its_heartbeat_costs_no_transaction(
     # counts an idle backend may still report late (CI once saw 6): far from the ~12 of a sweep
     # per heartbeat, which this bound still catches.
     assert after - before <= 7, after - before
+
+
+def test_heartbeat__a_row_held_through_beats_is_renewed_soon_after_it_is_let_go(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # Another session share-locks the run's row (as a checkpoint batch's fence does) until the
+    # lease has less than half a heartbeat interval left: every beat meanwhile finds it busy.
+    # Let go, the row is renewed within the busy retry (0.5 s), not at the next interval
+    # (3 s away: by then the lease would have run out and the run been reclaimed).
+    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 14})
+    with running_pool(dsn, lease_seconds=9), psycopg.connect(dsn) as holder:
+        wait_for(lambda: run_row(conn, run_id)["status"] == "running", what="the run to start")
+        holder.execute("SELECT 1 FROM runpool.runs WHERE id = %s FOR SHARE", (run_id,))
+        wait_for(lambda: scalar(conn, "SELECT extract(epoch FROM lease_expires_at - now())"
+                                      " FROM runpool.runs WHERE id = %s", run_id) < 1.5,
+                 timeout=15, what="the lease to run low while its row is held")
+        holder.rollback()
+        wait_for(lambda: scalar(conn, "SELECT extract(epoch FROM lease_expires_at - now())"
+                                      " FROM runpool.runs WHERE id = %s", run_id) > 3,
+                 timeout=10, what="the lease renewed")
+        wait_for(lambda: _terminal(conn, run_id), timeout=30, what="the run to end")
+    row = run_row(conn, run_id)
+    assert (row["status"], row["attempt"]) == ("succeeded", 1)
