@@ -94,17 +94,16 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
             cpu, began = _cpu_seconds(pids), time.monotonic()
             ages: list[float] = []
             peak_rss, peak_flight, polls = 0, 0, 0
-            deadline = began + 60 + runs / (workers * slots) * turns * high * 3
+            # At least 100 turns a second, or the load is reported as given up where it stood.
+            deadline = began + 60 + runs * turns / 100
             while True:
                 ended, flight = conn.execute(PROGRESS).fetchone() or (0, 0)
                 ages.extend(a for (a,) in conn.execute(LEASE_AGES, {"lease": lease}))
                 polls += 2
                 peak_flight = max(peak_flight, flight)
                 peak_rss = max(peak_rss, _rss_bytes(pids))
-                if ended >= runs:
+                if ended >= runs or time.monotonic() > deadline:
                     break
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"W11: {ended} of {runs} runs ended in time")
                 time.sleep(0.5)
             elapsed = time.monotonic() - began
             cpu = _cpu_seconds(pids) - cpu
@@ -113,12 +112,13 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
         extra, failed = conn.execute(LOSSES).fetchone() or (0, 0)
         tool_ms = [ms for (r,) in conn.execute(RESULTS) for ms in r["tool_ms"]]
         message_ms = [ms for (r,) in conn.execute(RESULTS) for ms in r["message_ms"]]
-    calls = runs * turns
+    calls = len(tool_ms)
     beat = lease / 3
     lag = [max(a - beat, 0.0) for a in ages]
     return {
         "workload": "W11", "workers": workers, "slots": slots, "runs": runs, "turns": turns,
-        "seconds": round(elapsed, 1), "turns_per_s": round(calls / elapsed, 1),
+        "ended": int(ended), "seconds": round(elapsed, 1),
+        "turns_per_s": round(calls / elapsed, 1),
         "peak_in_flight": peak_flight, "lease_losses": int(extra), "not_succeeded": int(failed),
         "heartbeat_lag_p99_s": round(percentile(lag, 99), 3) if lag else 0.0,
         "heartbeat_lag_max_s": round(max(lag), 3) if lag else 0.0,
