@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -110,18 +111,22 @@ async def tenants(request: Request) -> Response:
                  more=more, cap=TENANT_CAP, failed_cap=FAILED_CAP, warnings=warnings)
 
 
-async def in_flight(request: Request) -> Response:
-    web = web_of(request)
-    async with web.connection() as conn:
-        rows = await web.rows(conn, "in_flight", {"limit": PAGE_ROWS})
-    return _page(request, "in_flight.html", runs=rows, limit=PAGE_ROWS)
+def _listing(query: str, template: str, key: str) -> Callable[[Request], Awaitable[Response]]:
+    """A page listing one statement's first PAGE_ROWS rows."""
+
+    async def page(request: Request) -> Response:
+        web = web_of(request)
+        async with web.connection() as conn:
+            rows = await web.rows(conn, query, {"limit": PAGE_ROWS})
+        return _page(request, template, limit=PAGE_ROWS, **{key: rows})
+
+    return page
 
 
-async def stuck(request: Request) -> Response:
-    web = web_of(request)
-    async with web.connection() as conn:
-        rows = await web.rows(conn, "stuck", {"limit": PAGE_ROWS})
-    return _page(request, "stuck.html", runs=rows, limit=PAGE_ROWS)
+in_flight = _listing("in_flight", "in_flight.html", "runs")
+stuck = _listing("stuck", "stuck.html", "runs")
+workers = _listing("workers", "workers.html", "workers")
+schedules = _listing("schedules", "schedules.html", "schedules")
 
 
 async def dead_letters(request: Request) -> Response:
@@ -143,20 +148,6 @@ async def dead_letters(request: Request) -> Response:
     more = ({"before": rows[-1]["finished_at"].isoformat(), "before_id": str(rows[-1]["id"])}
             | ({"tenant": tenant} if tenant else {})) if len(rows) == PAGE_ROWS else None
     return _page(request, "dead.html", runs=rows, tenant=tenant, more=more)
-
-
-async def workers(request: Request) -> Response:
-    web = web_of(request)
-    async with web.connection() as conn:
-        rows = await web.rows(conn, "workers", {"limit": PAGE_ROWS})
-    return _page(request, "workers.html", workers=rows)
-
-
-async def schedules(request: Request) -> Response:
-    web = web_of(request)
-    async with web.connection() as conn:
-        rows = await web.rows(conn, "schedules", {"limit": PAGE_ROWS})
-    return _page(request, "schedules.html", schedules=rows, limit=PAGE_ROWS)
 
 
 async def run_page(request: Request) -> Response:
