@@ -4,7 +4,6 @@ it gives (leases, heartbeats, checkpoint latency, commits, CPU and memory per ru
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -16,7 +15,7 @@ from ..db import connect
 from ..enqueue import RunSpec, enqueue_many
 from ..testing.databases import scratch_database
 from ..testing.pools import running_pool
-from .measure import CLEAR_SNAPSHOT, LIVE_WORKERS, XACTS, percentile, wait_until
+from .measure import CLEAR_SNAPSHOT, LIVE_WORKERS, XACTS, cpu_seconds, percentile, wait_until
 
 __all__ = ["w11_agent_load"]
 
@@ -38,18 +37,6 @@ SELECT coalesce(sum(attempt - 1), 0), count(*) FILTER (WHERE status <> 'succeede
 FROM runpool.runs
 """
 RESULTS: Final = "SELECT result FROM runpool.runs WHERE status = 'succeeded'"
-TICK: Final = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / TICK
 
 
 def _rss_bytes(pids: list[int]) -> int:
@@ -91,7 +78,7 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
             batches = range(0, runs, 1000)
             for start in batches:
                 enqueue_many(conn, [spec] * min(1000, runs - start))
-            cpu, began = _cpu_seconds(pids), time.monotonic()
+            cpu, began = cpu_seconds(pids), time.monotonic()
             ages: list[float] = []
             peak_rss, peak_flight, polls = 0, 0, 0
             # At least 100 turns a second, or the load is reported as given up where it stood.
@@ -106,7 +93,7 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
                     break
                 time.sleep(0.5)
             elapsed = time.monotonic() - began
-            cpu = _cpu_seconds(pids) - cpu
+            cpu = cpu_seconds(pids) - cpu
             # The poll's own statements are transactions of this database too.
             commits = _xacts(stats, name) - commits - polls - len(batches)
         extra, failed = conn.execute(LOSSES).fetchone() or (0, 0)

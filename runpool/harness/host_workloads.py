@@ -3,9 +3,7 @@ many claimers (16 worker processes x 50 slots) against the W1 shape (2 x 10) on 
 
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
 from typing import Any, Final
 
 import psycopg
@@ -15,7 +13,7 @@ from ..enqueue import RunSpec, enqueue_many
 from ..testing.databases import database_name, scratch_database
 from ..testing.pgbouncer import pgbouncer
 from ..testing.pools import running_pool
-from .measure import COUNT_DONE, DRAIN_RATE, XACTS, wait_until
+from .measure import COUNT_DONE, DRAIN_RATE, XACTS, cpu_seconds, wait_until
 
 __all__ = ["w1p_pooler", "w16_many_claimers", "wcommits"]
 
@@ -33,19 +31,6 @@ SELECT wait_event, count(*) FROM pg_stat_activity
 WHERE datname = %s AND wait_event_type = 'Lock' GROUP BY wait_event
 """
 BACKENDS: Final = "SELECT pid FROM pg_stat_activity WHERE datname = %s"
-TICKS: Final = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU of live processes (Linux /proc), in seconds."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / TICKS
 
 
 def _enqueue(conn: psycopg.Connection[Any], runs: int, tenants: int = 1) -> None:
@@ -119,12 +104,12 @@ def _many(server: str, runs: int, workers: int, concurrency: int,
             listener = pool.listener()
             if listener is not None:
                 processes.append(listener)
-            cpu_pool, cpu_server = _cpu_seconds(processes), _cpu_seconds(backends)
+            cpu_pool, cpu_server = cpu_seconds(processes), cpu_seconds(backends)
             xacts = admin.execute(XACTS, (name,)).fetchone()
             with _Sampler(server, name) as sampler:
                 wait_until(conn, COUNT_DONE, runs, timeout=900)
-            cpu_pool = _cpu_seconds(processes) - cpu_pool
-            cpu_server = _cpu_seconds(backends) - cpu_server
+            cpu_pool = cpu_seconds(processes) - cpu_pool
+            cpu_server = cpu_seconds(backends) - cpu_server
             admin.execute("SELECT pg_stat_clear_snapshot()")
             after = admin.execute(XACTS, (name,)).fetchone()
         row = conn.execute(DRAIN_RATE).fetchone()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+from pathlib import Path
 from typing import Any, Final
 
 import psycopg
 
 from ..testing.pools import wait_for
 
-__all__ = ["CLEAR_SNAPSHOT", "COUNT_DONE", "DRAIN_RATE", "LIVE_WORKERS", "XACTS", "median_of",
+__all__ = ["CLEAR_SNAPSHOT", "COUNT_DONE", "DRAIN_RATE", "LIVE_WORKERS", "XACTS", "cpu_seconds",
+           "median_of",
            "percentile", "wait_until"]
 
 # Server-wide transaction counter of one database (read from another database, so the
@@ -47,3 +50,18 @@ def median_of(results: list[dict[str, Any]]) -> dict[str, Any]:
     if len(results) > 1:
         merged["repeats"] = len(results)
     return merged
+
+
+_TICKS: Final = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of live processes (Linux /proc), in seconds; gone ones count 0."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICKS
