@@ -85,11 +85,16 @@ class RunSpec:
     deadline: datetime | None = None
     budget: dict[str, Any] | None = None
 
-    def params(self) -> dict[str, Any]:
+    def _check(self) -> None:
+        """What psycopg or jsonb could not carry to the database faithfully (its own checks,
+        for one run or a batch alike, are runpool.enqueue's and enqueue_many's)."""
         for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
             _check_text(name, getattr(self, name))
         _check_int("priority", self.priority)
         _check_int("max_attempts", self.max_attempts)
+
+    def params(self) -> dict[str, Any]:
+        self._check()
         # Serialised here so a value jsonb cannot hold fails before the database sees it.
         payload = dumps(self.input)
         return {
@@ -111,8 +116,7 @@ class RunSpec:
         """This run as one element of runpool.enqueue_many's array: only what differs from
         enqueue's defaults (a timeout in seconds; times as ISO text, naive ones read in the
         session's time zone as the single enqueue's are)."""
-        for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
-            _check_text(name, getattr(self, name))
+        self._check()
         out: dict[str, Any] = {"tenant": self.tenant, "handler": self.handler,
                                "input": self.input}
         for name in ("idempotency_key", "run_at", "max_attempts", "traceparent",
