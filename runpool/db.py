@@ -25,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from .errors import DatabaseTimeout, InvalidInput, UsageError
 
 __all__ = [
+    "CHECK_NAME",
     "again",
     "application_name",
     "bounded",
@@ -193,10 +194,18 @@ NO_JIT: Final = "SELECT set_config('jit', 'off', true)"
 DEFAULT_ISOLATION: Final = "SELECT current_setting('default_transaction_isolation')"
 
 
-def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False
-            ) -> psycopg.Connection[Any]:
-    """A runpool connection (`stateless`: one that may go through a transaction-mode pooler)."""
-    extra = STATELESS_OPTIONS if stateless else {}
+def _named(dsn: str, extra: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """`extra` with application_name `name`, unless the DSN names the connection itself."""
+    if name is not None and "application_name" not in conninfo_to_dict(dsn):
+        return {**extra, "application_name": name}
+    return extra
+
+
+def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
+            name: str | None = None) -> psycopg.Connection[Any]:
+    """A runpool connection (`stateless`: one that may go through a transaction-mode pooler;
+    `name`: its application_name, unless the DSN has one)."""
+    extra = _named(dsn, STATELESS_OPTIONS if stateless else {}, name)
     conn = psycopg.connect(dsn, autocommit=True, **_options(dsn), **extra)
     configure(conn)
     if stateless:
@@ -210,9 +219,7 @@ def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False
 async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
                    name: str | None = None) -> psycopg.AsyncConnection[Any]:
     """An async runpool connection; `name`: its application_name, unless the DSN has one."""
-    extra = dict(STATELESS_OPTIONS if stateless else {})
-    if name is not None and "application_name" not in conninfo_to_dict(dsn):
-        extra["application_name"] = name
+    extra = _named(dsn, STATELESS_OPTIONS if stateless else {}, name)
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **_options(dsn), **extra)
     configure(conn)
     if stateless:
@@ -223,6 +230,10 @@ async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = Fals
     return conn
 
 
+# The application_name (before "@host") of the short direct connection that checks a LISTEN
+# DSN when a pool starts behind a pooler: the one server connection besides the LISTEN
+# connection that a pooled host opens directly, named so that it can be told apart.
+CHECK_NAME: Final = "runpool-check"
 # Which database of which server (run) a connection reached: the LISTEN DSN must reach the
 # one the work DSN does, or no doorbell would ever ring.
 WHICH_DATABASE: Final = "SELECT current_database(), pg_postmaster_start_time()"
@@ -232,7 +243,7 @@ def check_stateless(conn: psycopg.Connection[Any], listen_dsn: str) -> None:
     """Refuse a database whose single statements would not run read committed (a stateless
     connection cannot pin the level for its session, see STATELESS_OPTIONS), and a LISTEN
     DSN that reaches another database than `conn`'s."""
-    with connect(listen_dsn, autocommit=True) as direct:
+    with connect(listen_dsn, autocommit=True, name=application_name(CHECK_NAME)) as direct:
         listening = direct.execute(WHICH_DATABASE).fetchone()
     working = conn.execute(WHICH_DATABASE).fetchone()
     if listening != working:

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 import runpool
-from runpool.db import connect
+from runpool.db import CHECK_NAME, connect
 from runpool.listener import LISTEN_NAME
 from runpool.testing import database_name
 from tests.apps import app as test_app
@@ -31,10 +31,14 @@ SELECT current_setting('runpool.session', true), current_setting('plan_cache_mod
        current_setting('jit'), current_setting('idle_session_timeout'),
        (SELECT count(*) FROM pg_prepared_statements), pg_backend_pid()
 """
-# The server's connections to the test database, but this one (the sampler's).
+# The server's connections to the test database but this one (the sampler's): through the
+# pooler, LISTEN, and each worker's one-query check of the LISTEN DSN as it starts (direct,
+# momentary; CI once saw it beside the pooler's three).
 SERVER_CONNECTIONS = """
-SELECT count(*) FILTER (WHERE application_name NOT LIKE %(listen)s),
-       count(*) FILTER (WHERE application_name LIKE %(listen)s)
+SELECT count(*) FILTER (WHERE application_name NOT LIKE %(listen)s
+                          AND application_name NOT LIKE %(check)s),
+       count(*) FILTER (WHERE application_name LIKE %(listen)s),
+       count(*) FILTER (WHERE application_name LIKE %(check)s)
 FROM pg_stat_activity WHERE datname = %(db)s AND pid <> pg_backend_pid()
 """
 
@@ -52,6 +56,7 @@ class _Peak:
         self._dsn = dsn
         self.pooled = 0
         self.listening = 0
+        self.checking = 0
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -60,10 +65,12 @@ class _Peak:
         with psycopg.connect(self._dsn, autocommit=True) as conn:
             while not self._stop.wait(0.02):
                 row = conn.execute(SERVER_CONNECTIONS, {
-                    "listen": f"{LISTEN_NAME}@%", "db": database_name(self._dsn)}).fetchone()
+                    "listen": f"{LISTEN_NAME}@%", "check": f"{CHECK_NAME}@%",
+                    "db": database_name(self._dsn)}).fetchone()
                 assert row is not None
                 self.pooled = max(self.pooled, row[0])
                 self.listening = max(self.listening, row[1])
+                self.checking = max(self.checking, row[2])
                 self.samples += 1
 
     def __enter__(self) -> _Peak:
@@ -133,6 +140,7 @@ def test_pooler__runs_enqueues_and_cancels_go_through_pgbouncer_in_transaction_m
         assert peak.samples > 10
         assert peak.pooled <= POOL_SIZE, f"{peak.pooled} server connections through the pooler"
         assert peak.listening == 1
+        assert peak.checking <= 2, "one check connection per worker, each closed at once"
         # No server connection carries a runpool session's settings or prepared statements.
         for setting, plan_mode, jit, idle, prepared, pid in _leftovers(bouncer, pooled):
             assert setting in (None, ""), f"backend {pid}: runpool.session={setting!r}"
