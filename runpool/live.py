@@ -8,25 +8,20 @@ status and by progress) on the caller's connection, read what is new, and wait a
 
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, Generator, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
 import psycopg
 from psycopg import sql
-from psycopg.pq import TransactionStatus
-from psycopg.rows import tuple_row
 
-from .db import sever
-from .errors import InvalidInput, NotFound, UsageError
+from .errors import InvalidInput, NotFound
 from .limits import NAME_MAX_LENGTH
+from .live_io import Answer, Nap, Read, aexecute, anap, aperform, aquiet, idle, perform, quiet
 
 __all__ = ["TERMINAL", "RunEvent", "RunResult", "channel", "follow", "wait", "wait_async"]
 
@@ -159,14 +154,6 @@ def _tenant(value: Any) -> str | None:
     return value
 
 
-def _idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
-    """Waiting inside the caller's transaction would hold it open (and its LISTEN would only
-    take effect at its commit): refused."""
-    if conn.info.transaction_status != TransactionStatus.IDLE:
-        raise UsageError("wait and follow need a connection outside any transaction: they"
-                         " hold none open while they wait (commit or roll back first)")
-
-
 def _listen(run_id: uuid.UUID, on: bool) -> sql.Composed:
     return sql.SQL("LISTEN {}" if on else "UNLISTEN {}").format(sql.Identifier(channel(run_id)))
 
@@ -176,6 +163,12 @@ def _result(run_id: uuid.UUID, row: tuple[Any, ...] | None) -> RunResult | None:
         raise NotFound(f"no run {run_id}")
     status, result, error = row
     return RunResult(run_id, status, result, error) if status in TERMINAL else None
+
+
+def _poll(value: Any) -> float:
+    poll = _seconds(value, "poll", allow_none=False, low=0.01)
+    assert poll is not None
+    return poll
 
 
 def _deadline(timeout: float | None) -> float:
@@ -189,6 +182,43 @@ def _nap(run_id: uuid.UUID, deadline: float, poll: float, timeout: float | None)
     return min(poll, left)
 
 
+_Steps = Generator[Read | Nap, Answer, RunResult]
+
+
+def _waiting(run_id: uuid.UUID, timeout: float | None, poll: float, tenant: str | None,
+             listen: bool) -> _Steps:
+    """The whole logic of a wait, without its I/O: the steps it takes, each answered by its
+    driver (wait, wait_async) with a row, None, or the step's psycopg.OperationalError; it
+    returns the RunResult. The driver UNLISTENs once it ends."""
+    deadline = _deadline(timeout)
+    if listen:
+        answer = yield Read(_read_bound(deadline), _listen(run_id, True))
+        _check(run_id, deadline, timeout, answer)
+    while True:
+        answer = yield Read(_read_bound(deadline), RESULT, {"run_id": run_id, "tenant": tenant})
+        done = _result(run_id, _check(run_id, deadline, timeout, answer))
+        if done is not None:
+            return done
+        _check(run_id, deadline, timeout, (yield Nap(_nap(run_id, deadline, poll, timeout))))
+
+
+class _Wait:
+    """One wait (its arguments checked): _waiting's steps, fed the answers of its driver."""
+
+    def __init__(self, run_id: Any, timeout: Any, poll: Any, tenant: Any, listen: bool) -> None:
+        self.run_id = _run_id(run_id)
+        self._steps = _waiting(self.run_id, _seconds(timeout, "timeout", allow_none=True, low=0),
+                               _poll(poll), _tenant(tenant), listen)
+        self.step = next(self._steps)
+        self.result: RunResult | None = None
+
+    def answer(self, answer: Answer) -> None:
+        try:
+            self.step = self._steps.send(answer)
+        except StopIteration as stop:
+            self.result = stop.value
+
+
 # The contract names `timeout` (the twin of wait()'s); asyncio.timeout around it works too.
 async def wait_async(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str,
                      timeout: float | None = None, poll: float = 1.0,  # noqa: ASYNC109
@@ -198,76 +228,47 @@ async def wait_async(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | st
     no such run (or, with `tenant`, another tenant's run). The connection is used for nothing
     else meanwhile; it is left outside any transaction, as it was.
     listen=False polls only (a transaction-mode pooler, where LISTEN cannot work)."""
-    rid, after_s = _run_id(run_id), _seconds(timeout, "timeout", allow_none=True, low=0)
-    poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
-    assert poll_s is not None
-    tenant = _tenant(tenant)
-    _idle(aconn)
-    deadline = _deadline(after_s)
+    pending = _Wait(run_id, timeout, poll, tenant, listen)
+    idle(aconn)
     try:
-        if listen:
-            await _aexec(aconn, _read_bound(deadline), _listen(rid, True))
-        while True:
-            cur = await _aexec(aconn, _read_bound(deadline), RESULT,
-                               {"run_id": rid, "tenant": tenant})
-            done = _result(rid, await cur.fetchone())
-            if done is not None:
-                return done
-            await _anap(aconn, _nap(rid, deadline, poll_s, after_s), listen)
-    except psycopg.OperationalError as exc:
-        raise _timed_out(rid, deadline, after_s, exc) from exc
+        while pending.result is None:
+            pending.answer(await aperform(aconn, pending.step, listen))
+        return pending.result
     finally:
         if listen:
-            await _aunlisten(aconn, rid)
+            await aquiet(aconn, READ_SECONDS, _listen(pending.run_id, False))
 
 
 def wait(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, timeout: float | None = None,
          poll: float = 1.0, *, tenant: str | None = None, listen: bool = True) -> RunResult:
     """wait_async() for a blocking connection."""
-    rid, after_s = _run_id(run_id), _seconds(timeout, "timeout", allow_none=True, low=0)
-    poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
-    assert poll_s is not None
-    tenant = _tenant(tenant)
-    _idle(conn)
-    deadline = _deadline(after_s)
+    pending = _Wait(run_id, timeout, poll, tenant, listen)
+    idle(conn)
     try:
-        if listen:
-            _exec(conn, _read_bound(deadline), _listen(rid, True))
-        while True:
-            done = _result(rid, _exec(conn, _read_bound(deadline), RESULT,
-                                      {"run_id": rid, "tenant": tenant}).fetchone())
-            if done is not None:
-                return done
-            nap = _nap(rid, deadline, poll_s, after_s)
-            if listen:
-                for _ in conn.notifies(timeout=nap, stop_after=1):
-                    pass
-            else:
-                time.sleep(nap)
-    except psycopg.OperationalError as exc:
-        raise _timed_out(rid, deadline, after_s, exc) from exc
+        while pending.result is None:
+            pending.answer(perform(conn, pending.step, listen))
+        return pending.result
     finally:
-        try:
-            if (listen and not conn.closed
-                    and conn.info.transaction_status == TransactionStatus.IDLE):
-                _exec(conn, READ_SECONDS, _listen(rid, False))
-        except psycopg.Error:
-            pass  # a broken connection listens to nothing any more
+        if listen:
+            quiet(conn, READ_SECONDS, _listen(pending.run_id, False))
+
+
+def _check(run_id: uuid.UUID, deadline: float, timeout: float | None,
+           answer: Answer) -> tuple[Any, ...] | None:
+    """A step's answer, unless it is a broken connection: past the wait's deadline its read
+    was cut for the timeout (TimeoutError); before, the error is the caller's."""
+    if not isinstance(answer, psycopg.OperationalError):
+        return answer
+    if timeout is not None and time.monotonic() >= deadline:
+        raise TimeoutError(f"run {run_id} did not finish within {timeout:g} s (the server"
+                           f" did not answer: the connection was cut)") from answer
+    raise answer
 
 
 def _read_bound(deadline: float) -> float:
     """How long a wait's read may go unanswered: READ_SECONDS, and no later than its
     deadline's grace."""
     return min(READ_SECONDS, max(deadline - time.monotonic(), 0) + GRACE_SECONDS)
-
-
-def _timed_out(run_id: uuid.UUID, deadline: float, timeout: float | None,
-               exc: psycopg.OperationalError) -> Exception:
-    """A broken connection past the wait's deadline: its read was cut for the timeout."""
-    if timeout is not None and time.monotonic() >= deadline:
-        return TimeoutError(f"run {run_id} did not finish within {timeout:g} s (the server"
-                            f" did not answer: the connection was cut)")
-    return exc
 
 
 async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, after: int = 0,
@@ -282,18 +283,15 @@ async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, a
     server leaves a read unanswered for READ_SECONDS (it is then cut), raises the driver's
     psycopg.OperationalError. Use `contextlib.aclosing` to stop early and have the connection
     UNLISTEN at once. listen=False polls only."""
-    rid, last = _run_id(run_id), _after(after)
-    poll_s = _seconds(poll, "poll", allow_none=False, low=0.01)
-    assert poll_s is not None
-    tenant = _tenant(tenant)
-    _idle(aconn)
+    rid, last, poll_s, tenant = _run_id(run_id), _after(after), _poll(poll), _tenant(tenant)
+    idle(aconn)
     try:
         if listen:
-            await _aexec(aconn, READ_SECONDS, _listen(rid, True))
+            await aexecute(aconn, READ_SECONDS, _listen(rid, True))
         progress: int | None = None
         while True:
-            cur = await _aexec(aconn, READ_SECONDS, EVENTS,
-                               {"run_id": rid, "tenant": tenant, "after": last, "page": PAGE})
+            cur = await aexecute(aconn, READ_SECONDS, EVENTS,
+                                 {"run_id": rid, "tenant": tenant, "after": last, "page": PAGE})
             page = _Page(await cur.fetchall())
             if page.status is None:
                 raise NotFound(f"no run {rid}")
@@ -307,10 +305,10 @@ async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, a
             if page.progress is not None and page.progress[0] != progress:
                 progress = page.progress[0]
                 yield RunEvent(last, "progress", page.progress[1], page.progress[2])
-            await _anap(aconn, poll_s, listen)
+            await anap(aconn, poll_s, listen)
     finally:
         if listen:
-            await _aunlisten(aconn, rid)
+            await aquiet(aconn, READ_SECONDS, _listen(rid, False))
 
 
 class _Page:
@@ -338,57 +336,3 @@ class _Page:
             bound = max(e.seq for e in events if e.kind == "message")
             events = [e for e in events if e.seq <= bound]
         self.events = events
-
-
-async def _aexec(aconn: psycopg.AsyncConnection[Any], bound: float, query: Any,
-                 params: dict[str, Any] | None = None) -> psycopg.AsyncCursor[Any]:
-    """One statement, committed at once when the connection is not in autocommit: nothing is
-    held open between reads. Unanswered after `bound` seconds, the connection is cut."""
-    timer = asyncio.get_running_loop().call_later(bound, sever, aconn)
-    try:
-        cur = await aconn.cursor(row_factory=tuple_row).execute(query, params)
-        if not aconn.autocommit:
-            await aconn.commit()
-    finally:
-        timer.cancel()
-    return cur
-
-
-def _exec(conn: psycopg.Connection[Any], bound: float, query: Any,
-          params: dict[str, Any] | None = None) -> psycopg.Cursor[Any]:
-    with _cut_after(conn, bound):
-        cur = conn.cursor(row_factory=tuple_row).execute(query, params)
-        if not conn.autocommit:
-            conn.commit()
-    return cur
-
-
-@contextmanager
-def _cut_after(conn: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
-    """Cut the connection if the block still runs after `seconds` (the blocking twin of
-    _aexec's timer: a blocked read can only be woken from another thread)."""
-    timer = threading.Timer(seconds, sever, (conn,))
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
-async def _anap(aconn: psycopg.AsyncConnection[Any], seconds: float, listen: bool) -> None:
-    """Until a notification of this connection's channels arrives, or `seconds` pass.
-    Notifications that arrived while reading are kept by psycopg and end the wait at once."""
-    if not listen:
-        await asyncio.sleep(seconds)
-        return
-    async for _ in aconn.notifies(timeout=seconds, stop_after=1):
-        pass
-
-
-async def _aunlisten(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> None:
-    try:
-        if not aconn.closed and aconn.info.transaction_status == TransactionStatus.IDLE:
-            await _aexec(aconn, READ_SECONDS, _listen(run_id, False))
-    except psycopg.Error:
-        pass  # a broken connection listens to nothing any more

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 import runpool
-from runpool import live
+from runpool import live, live_io
 from runpool.db import aconnect, connect
 from runpool.enqueue import enqueue
 
@@ -497,3 +497,33 @@ def test_follow__a_killed_connection_raises_and_the_follower_resumes_where_it_wa
         got = asyncio.run(asyncio.wait_for(main(), 20))
     assert [(e.seq, e.kind) for e in got] == [
         (1, "status"), (2, "status"), (3, "message"), (4, "status")]
+
+
+def test_wait_steps__one_logic_for_wait_and_wait_async() -> None:
+    """wait and wait_async only perform the steps of live._waiting: a row that is not
+    terminal naps `poll`, a terminal one ends the wait; a broken connection is a TimeoutError
+    past the deadline and the connection's own error before it; no row is NotFound."""
+    rid = uuid.uuid4()
+    steps = live._waiting(rid, None, 0.5, None, listen=True)
+    assert isinstance(next(steps), live_io.Read)  # the LISTEN
+    assert isinstance(steps.send(None), live_io.Read)  # the status read
+    assert steps.send(("running", None, None)) == live_io.Nap(0.5)
+    again = steps.send(None)
+    assert isinstance(again, live_io.Read) and again.query is live.RESULT
+    with pytest.raises(StopIteration) as stop:
+        steps.send(("succeeded", {"ok": 1}, None))
+    assert stop.value.value == runpool.RunResult(rid, "succeeded", {"ok": 1}, None)
+
+    broken = psycopg.OperationalError("connection cut")
+    past = live._waiting(rid, 0, 0.5, None, listen=False)
+    next(past)
+    with pytest.raises(TimeoutError, match="the connection was cut"):
+        past.send(broken)
+    before = live._waiting(rid, 60, 0.5, None, listen=False)
+    next(before)
+    with pytest.raises(psycopg.OperationalError, match="connection cut"):
+        before.send(broken)
+    missing = live._waiting(rid, 60, 0.5, None, listen=False)
+    next(missing)
+    with pytest.raises(runpool.NotFound):
+        missing.send(None)
