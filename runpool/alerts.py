@@ -27,7 +27,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from .db import bounded
+from .deadlines import bounded
 
 __all__ = ["Alert", "AlertSender", "backoff_seconds"]
 

@@ -16,7 +16,8 @@ from checkpoints import Message, ToolCall
 from . import costs
 from .commits import CommitGroup
 from .control import RunControl
-from .db import dumps, retrying
+from .db import dumps
+from .deadlines import retrying
 from .errors import InvalidInput, LeaseLost, UsageError
 from .waits import Waits
 

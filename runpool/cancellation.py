@@ -14,7 +14,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .db import bounded
+from .deadlines import bounded
 from .queries import QUERIES
 from .slot import Slot
 from .tasks import Background

@@ -9,11 +9,8 @@ worker found the schema out of date).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-import uuid
 from dataclasses import fields
 from datetime import datetime
 from typing import Any
@@ -26,6 +23,7 @@ from .embedded import resolve_dsn
 from .errors import AppNotFound, InvalidInput, RunpoolError
 from .exits import EXIT_CONFIG
 from .logs import setup_logging
+from .queue_cli import run_command
 from .settings import Settings
 
 __all__ = ["main"]
@@ -36,11 +34,6 @@ COMMANDS = (
     *POOL_COMMANDS, "migrate", "enqueue", "cancel", "retry", "resolve", "signal", "explain",
     "runs", "wait", "status", "schedules", "demo", "bench", "ui",
 )
-
-# The SQL API, called exactly as an application would.
-CANCEL = "SELECT runpool.cancel_run(%s::uuid, %s, %s)"
-RETRY = "SELECT runpool.retry_run(%s::uuid)"
-EXPLAIN = "SELECT runpool.explain_run(%s::uuid)"
 
 _HELP = {
     "dsn": "PostgreSQL DSN (else DATABASE_URL, else an embedded server)",
@@ -286,7 +279,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             migrate(conn)
         check(conn)  # a configured database: say what to run instead of failing obscurely
         try:
-            return _simple(conn, args, dsn)
+            return run_command(conn, args, dsn)
         except psycopg.Error as exc:
             raise translate_error(exc) from exc
 
@@ -343,127 +336,4 @@ def _migrate(conn: psycopg.Connection[Any], *, sql_only: bool) -> int:
         print(f"applied {m.version:04d}_{m.name}")
     if not applied:
         print("schema is up to date")
-    return 0
-
-
-def _parse_run_id(text: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        raise InvalidInput(f"not a run id (a UUID): {text!r}") from None
-
-
-def _simple(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: str) -> int:
-    if args.command == "enqueue":
-        from .enqueue import enqueue
-
-        try:
-            payload = json.loads(args.input)
-        except ValueError as exc:
-            raise InvalidInput(f"--input is not valid JSON: {exc}") from None
-        try:
-            budget = None if args.budget is None else json.loads(args.budget)
-        except ValueError as exc:
-            raise InvalidInput(f"--budget is not valid JSON: {exc}") from None
-        run_id = enqueue(conn, args.tenant, args.handler, payload, priority=args.priority,
-                         idempotency_key=args.idempotency_key, run_at=args.run_at,
-                         max_attempts=args.max_attempts, serial_key=args.serial_key,
-                         timeout=args.timeout, deadline=args.deadline, budget=budget)
-        print(run_id)
-        return 0
-    if args.command == "cancel":
-        row = conn.execute(CANCEL, (_parse_run_id(args.run_id), args.reason,
-                                    args.tenant)).fetchone()
-        return _answer(row, args.run_id)
-    if args.command == "retry":
-        row = conn.execute(RETRY, (_parse_run_id(args.run_id),)).fetchone()
-        return _answer(row, args.run_id)
-    if args.command == "resolve":
-        from .resolve import resolve_tool_call
-
-        try:
-            result = json.loads(args.result) if args.result is not None else None
-        except ValueError as exc:
-            raise InvalidInput(f"--result is not valid JSON: {exc}") from None
-        kind: dict[str, Any] = {"retry": True} if args.retry else {"result": result}
-        answer = resolve_tool_call(conn, _parse_run_id(args.run_id), args.call_id,
-                                   tenant=args.tenant, **kind)
-        if answer is None:
-            print(f"no such run or tool call: {args.run_id} {args.call_id}", file=sys.stderr)
-            return 1
-        print(answer)
-        return 0
-    if args.command == "signal":
-        from .waits import signal_run
-
-        try:
-            payload = json.loads(args.payload)
-        except ValueError as exc:
-            raise InvalidInput(f"--payload is not valid JSON: {exc}") from None
-        answer = signal_run(conn, _parse_run_id(args.run_id), args.name, payload,
-                            tenant=args.tenant)
-        return _answer((answer,), args.run_id)
-    if args.command == "explain":
-        row = conn.execute(EXPLAIN, (_parse_run_id(args.run_id),)).fetchone()
-        if row is None or row[0] is None:
-            return _answer(None, args.run_id)
-        doc = row[0]
-        if args.json:
-            print(json.dumps(doc))
-        else:
-            print(doc.pop("summary"))
-            for key, value in doc.items():
-                print(f"  {key}: {value}")
-        return 0
-    if args.command == "wait":
-        from .live_cli import wait_command
-
-        return wait_command(conn, _parse_run_id(args.run_id), args.timeout, as_json=args.json)
-    if args.command == "runs" and args.follow:
-        from .live_cli import follow_command
-
-        return follow_command(dsn, _parse_run_id(args.run_id), after=args.after,
-                              as_json=args.json)
-    if args.command == "runs":
-        from .status import history, render_history
-
-        doc = history(conn, _parse_run_id(args.run_id))
-        if doc is None:
-            return _answer(None, args.run_id)
-        print(json.dumps(doc) if args.json else render_history(doc))
-        return 0
-    if args.command == "status":
-        return _status(conn, args)
-    if args.command == "schedules":
-        from .status import render_schedules, schedules
-
-        listing = schedules(conn)
-        print(json.dumps(listing) if args.json else render_schedules(listing))
-        return 0
-    raise AssertionError(args.command)
-
-
-def _status(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
-    from .status import collect, render
-
-    if args.watch is None:
-        report = collect(conn, window_seconds=args.window, xmin_warn_seconds=args.xmin_warn)
-        print(json.dumps(report) if args.json else render(report))
-        return 0
-    try:
-        while True:
-            screen = render(collect(conn, window_seconds=args.window,
-                                    xmin_warn_seconds=args.xmin_warn))
-            # Home the cursor and clear: the view refreshes in place.
-            print("\x1b[H\x1b[2J" + screen, flush=True)
-            time.sleep(max(args.watch, 0.2))
-    except KeyboardInterrupt:
-        return 0
-
-
-def _answer(row: tuple[Any, ...] | None, run_id: str) -> int:
-    if row is None or row[0] is None:
-        print(f"no such run: {run_id}", file=sys.stderr)
-        return 1
-    print(row[0])
     return 0

@@ -32,7 +32,7 @@ import psycopg
 from psycopg import pq
 from psycopg_pool import AsyncConnectionPool
 
-from .db import again, bounded
+from .deadlines import again, bounded
 
 __all__ = ["CommitGroup"]
 

@@ -15,7 +15,8 @@ from typing import Any, Final
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .db import bounded, loads, translate_error
+from .db import loads, translate_error
+from .deadlines import bounded
 from .errors import BudgetExceeded, InvalidInput, LeaseLost
 from .limits import NAME_MAX_LENGTH
 from .tasks import finish_anyway

@@ -2,33 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
 import os
 import re
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import orjson
 import psycopg
-from psycopg import capabilities
 from psycopg import errors as pg_errors
 from psycopg.abc import AdaptContext
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
-from .errors import DatabaseTimeout, InvalidInput, UsageError
+from .errors import InvalidInput, UsageError
 
 __all__ = [
     "CHECK_NAME",
-    "again",
     "application_name",
-    "bounded",
     "check_stateless",
     "configure",
     "connect",
@@ -38,14 +30,9 @@ __all__ = [
     "loads",
     "loads_exact",
     "open_pool",
-    "retrying",
-    "sever",
-    "transient",
     "translate_error",
 ]
 
-logger = logging.getLogger("runpool.db")
-T = TypeVar("T")
 
 # Keepalives let the kernel notice a half-open idle connection (a peer that vanished) in
 # ~20 s instead of two hours; tcp_user_timeout does the same for data sent and never
@@ -305,131 +292,6 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
     )
     await pool.open(wait=True, timeout=30)
     return pool
-
-
-def transient(exc: BaseException) -> bool:
-    """Worth repeating on another connection: the connection, the server or a concurrent
-    transaction failed the statement (SQLSTATE classes 08, 40, 53, 57, 58, or no SQLSTATE:
-    the client lost the connection), not the statement's own data (a value the database
-    refuses fails the same way every time)."""
-    if isinstance(exc, TimeoutError | PoolTimeout):
-        return True
-    if not isinstance(exc, psycopg.OperationalError):
-        return False
-    state = exc.sqlstate
-    return state is None or state[:2] in ("08", "40", "53", "57", "58")
-
-
-async def retrying(pool: AsyncConnectionPool, seconds: float,
-                   op: Callable[[psycopg.AsyncConnection[Any], int], Awaitable[T]],
-                   *, what: str, log: dict[str, str] | None = None) -> T:
-    """Run `op(conn, try_number)` on a pooled connection, again on another one when it fails
-    transiently, until it succeeds or `seconds` have passed (then its last error is raised).
-
-    Only for operations that are safe to repeat: reads, and writes that tell "already done
-    by me" from "refused" on a later try (which is what try_number is for)."""
-    deadline = asyncio.get_running_loop().time() + seconds
-
-    async def once(tries: int) -> T:
-        left = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        async with bounded(pool, left) as conn:
-            return await op(conn, tries)
-
-    return await again(once, seconds, what=what, log=log)
-
-
-async def again(op: Callable[[int], Awaitable[T]], seconds: float, *, what: str,
-                log: dict[str, str] | None = None) -> T:
-    """Run `op(try_number)` until it does not fail transiently, or `seconds` have passed."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    delay = 0.02
-    tries = 0
-    while True:
-        try:
-            return await op(tries)
-        except Exception as exc:
-            tries += 1
-            if not transient(exc) or loop.time() + delay >= deadline:
-                raise
-            logger.warning("%s failed (try %d), retrying on another connection: %r",
-                           what, tries, exc,
-                           extra={"action": "db_retry", "what": what, **(log or {})})
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
-
-
-@asynccontextmanager
-async def bounded(pool: AsyncConnectionPool, seconds: float
-                  ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    """A pooled connection whose whole use must end within `seconds` (TimeoutError if not).
-
-    A silent server — a black-holed network path, a peer that vanished mid-query — otherwise
-    hangs a statement until TCP gives up, which can take many minutes: keepalives only probe
-    idle connections. At the deadline the socket is shut down, so the statement fails at once
-    like a connection the network broke, and the connection is closed rather than reused; a
-    cancel request goes to the server in the background, so a server that is merely slow does
-    not finish (or commit) the statement after we gave up. Cancelling the task instead would
-    be slower than the fault: psycopg answers a cancelled statement by sending a cancel request
-    and waiting for the server, up to ten seconds more on a silent path — longer than a lease.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    async with pool.connection(timeout=seconds) as conn:
-        if loop.time() >= deadline:
-            raise DatabaseTimeout(f"no database connection within {seconds:g}s")
-        severed: list[bool] = []
-        timer = loop.call_at(deadline, _sever_late, conn, severed)
-        try:
-            yield conn
-        except psycopg.OperationalError as exc:
-            if severed:
-                raise DatabaseTimeout(f"database work did not finish within {seconds:g}s") from exc
-            raise
-        finally:
-            timer.cancel()
-            if severed:
-                await conn.close()
-
-
-# Background cancel requests, referenced until they finish.
-_cancels: set[asyncio.Task[None]] = set()
-
-
-def _sever_late(conn: psycopg.AsyncConnection[Any], severed: list[bool]) -> None:
-    severed.append(True)
-    # Only with libpq 17's non-blocking cancel: the older one blocks a thread for as long as a
-    # silent path stays silent. The task's first step, which builds the cancel request from the
-    # connection, runs before the caller can close it: it is scheduled ahead of the socket's
-    # wake-up.
-    if capabilities.has_cancel_safe():
-        task = asyncio.get_running_loop().create_task(_cancel_quietly(conn))
-        _cancels.add(task)
-        task.add_done_callback(_cancels.discard)
-    sever(conn)
-
-
-async def _cancel_quietly(conn: psycopg.AsyncConnection[Any]) -> None:
-    try:
-        await conn.cancel_safe(timeout=5)
-    except Exception:  # best effort: the server may be unreachable, which is why we are here
-        pass
-
-
-def sever(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> None:
-    """Break a connection as a network cut would: its next (or current) read fails at once."""
-    try:
-        fd = os.dup(conn.pgconn.socket)
-    except (psycopg.OperationalError, OSError):
-        return  # already closed
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        os.close(fd)
-        return
-    # shutdown() acts on the socket, not the descriptor: the duplicate reaches psycopg's too.
-    with sock, contextlib.suppress(OSError):  # OSError: not connected any more, nothing to cut
-        sock.shutdown(socket.SHUT_RDWR)
 
 
 def translate_error(exc: psycopg.Error) -> Exception:

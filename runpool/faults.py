@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .db import sever
+from .deadlines import sever
 from .errors import InvalidInput
 
 __all__ = ["POINTS", "armed", "hit"]

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .db import application_name, bounded, open_pool
+from .db import application_name, open_pool
+from .deadlines import bounded
 from .queries import QUERIES
 from .settings import Settings
 from .slot import Slot, Slots, StopReason

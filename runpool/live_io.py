@@ -18,7 +18,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
-from .db import sever
+from .deadlines import sever
 from .errors import UsageError
 
 __all__ = ["Answer", "Nap", "Read", "aexecute", "anap", "aperform", "aquiet", "execute",

@@ -17,7 +17,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from . import faults
 from .claiming import ClaimedRun, read_claimed
-from .db import NO_JIT, bounded, dumps, jsonb, loads, transient
+from .db import NO_JIT, dumps, jsonb, loads
+from .deadlines import bounded, transient
 from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout
 from .queries import QUERIES
 

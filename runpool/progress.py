@@ -15,7 +15,8 @@ from typing import Any, Final
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from .db import bounded, dumps, jsonb
+from .db import dumps, jsonb
+from .deadlines import bounded
 from .errors import InvalidInput
 
 __all__ = ["FLUSH_SECONDS", "MAX_PROGRESS_BYTES", "Publisher", "encode"]

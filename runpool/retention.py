@@ -18,7 +18,7 @@ from typing import Final
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .db import bounded
+from .deadlines import bounded
 from .queries import QUERIES
 
 __all__ = ["BATCH_SIZE", "Purger", "purge_every"]

@@ -21,7 +21,7 @@ from .claiming import ClaimedRun
 from .commits import CommitGroup
 from .context import Run
 from .control import RunControl
-from .db import again, bounded
+from .deadlines import again, bounded
 from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown, WaitTimeout
 from .logs import run_log_context
 from .outcomes import Outcome, OutcomeWriter

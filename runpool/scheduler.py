@@ -26,7 +26,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from . import faults, telemetry
 from .app import App
-from .db import bounded, dumps, jsonb, transient
+from .db import dumps, jsonb
+from .deadlines import bounded, transient
 from .errors import InvalidInput
 from .listener import ClaimBudget
 from .schedules import Due, due_plans, next_plan, plan_key, plan_text

@@ -19,7 +19,8 @@ from checkpoints import CallMismatch, Message, ToolCall
 
 from . import faults, telemetry
 from .attempt import Attempt
-from .db import dumps, jsonb, loads, transient
+from .db import dumps, jsonb, loads
+from .deadlines import transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
 from .limits import NAME_MAX_LENGTH
 from .tasks import finish_anyway

@@ -26,7 +26,8 @@ from .alerts import AlertSender
 from .app import App
 from .cancellation import Canceller
 from .claiming import ClaimedRun, claim, claim_statements
-from .db import application_name, bounded, open_pool
+from .db import application_name, open_pool
+from .deadlines import bounded
 from .errors import WorkerFailed
 from .exits import EXIT_STUCK
 from .leases import Cadence, LeaseKeeper

@@ -13,7 +13,8 @@ import pytest
 
 import runpool
 from runpool import db
-from runpool.db import aconnect, bounded, connect, open_pool
+from runpool.db import aconnect, connect, open_pool
+from runpool.deadlines import bounded
 from runpool.migrate import migrate
 from runpool.testing import Proxy
 from tests.helpers import (
