@@ -216,6 +216,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-xmin", type=float, default=0.0, metavar="SECONDS",
                    help="--bloat: hold a snapshot open this long from a third of the way in")
     p.add_argument("--max-runs", type=int, default=None, help="--bloat: stop after this many")
+    p.add_argument("--min-runs", type=int, default=0,
+                   help="--soak: go on past MINUTES until this many runs were enqueued")
     p.add_argument("--plot", metavar="PATH", help="--bloat: write the curves (PNG and CSV)")
     return parser
 
@@ -256,7 +258,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.soak is not None:
         from .harness.soak import run_soak
 
-        return run_soak(settings, args.soak, seed=args.seed)
+        return run_soak(settings, args.soak, seed=args.seed, min_runs=args.min_runs)
     if args.command == "bench":
         from .harness.bench import run_bench
 

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ from psycopg.conninfo import make_conninfo
 
 from runpool.db import connect
 from runpool.migrate import migrate
-from runpool.testing import EXECUTIONS_DDL, with_database
+from runpool.testing import EXECUTIONS_DDL, wait_for, with_database
 from tests.pgbouncer import free_port
 from tests.system import require_program, require_root
 
@@ -127,11 +126,9 @@ def synchronous_pair() -> Iterator[tuple[Cluster, Cluster]]:
             standby.start()
             try:
                 with psycopg.connect(primary.dsn(), autocommit=True) as conn:
-                    deadline = time.monotonic() + 30
-                    while conn.execute("SELECT count(*) FROM pg_stat_replication"
-                                       " WHERE sync_state = 'sync'").fetchone() != (1,):
-                        assert time.monotonic() < deadline, "the standby never became sync"
-                        time.sleep(0.1)
+                    wait_for(lambda: conn.execute(
+                        "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
+                    ).fetchone() == (1,), 30, 0.1, "the standby to become sync")
                 yield primary, standby
             finally:
                 standby.stop("immediate")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import random
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from runpool.claiming import claim
 from runpool.db import aconnect
 from runpool.queries import QUERIES
 from runpool.testing import invariants, pools
+from runpool.testing.pools import Stretched
 from runpool.testing.pools import wait_for as wait_for  # re-exported: the tests import it from here
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +40,22 @@ def pool_env(dsn: str, **settings: Any) -> dict[str, str]:
 
 
 Pool = pools.PoolProcess
+
+
+async def until(check: Callable[[], Any], what: str, seconds: float = 15.0,
+                interval: float = 0.05) -> Any:
+    """wait_for in a coroutine: poll `check` (its value, or what it returns awaited) without
+    blocking the loop until it is truthy, for `seconds` stretched for load (Stretched)."""
+    deadline = Stretched(seconds)
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if deadline.expired():
+            raise AssertionError(f"timed out after {deadline} waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 @contextmanager

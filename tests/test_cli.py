@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -260,16 +261,21 @@ def test_refused_checkpoint_write_and_detached_run__raise_runpool_errors(
 def test_demo__completes_with_no_run_left_waiting(conn: psycopg.Connection, dsn: str) -> None:
     # 12 runs hold one of each kind: research, summarize (one fails) and a translate run that
     # no pool of the demo serves, which waits until the demo explains and cancels it.
-    demo = subprocess.Popen([sys.executable, "-m", "runpool", "demo", "--runs", "12"],
-                            env=pool_env(dsn), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = demo.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        # Ctrl-C: the demo drains and stops its pool on the way out.
-        demo.send_signal(signal.SIGINT)
-        demo.communicate(timeout=90)
-        raise AssertionError("the demo did not finish within 90 s") from None
+    # Its output goes to files, so it never waits on a pipe while this waits for it to end.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        demo = subprocess.Popen([sys.executable, "-m", "runpool", "demo", "--runs", "12"],
+                                env=pool_env(dsn), cwd=ROOT, stdout=out, stderr=err, text=True)
+        try:
+            wait_for(lambda: demo.poll() is not None, timeout=90, interval=0.2,
+                     what="the demo to finish")
+        except AssertionError:
+            # Ctrl-C: the demo drains and stops its pool on the way out.
+            demo.send_signal(signal.SIGINT)
+            demo.wait(timeout=90)
+            raise
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     assert demo.returncode == 0, stderr
     assert "no live pool serves handler translate" in stdout, stdout
     # The run whose worker was killed resumes; the cancelled run is another one.

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,9 @@ from psycopg.rows import dict_row
 
 import runpool
 from runpool.db import aconnect
+from runpool.testing.pools import load_stretch
 from runpool.worker import Worker
-from tests.helpers import ROOT, assert_invariants, pool_env
+from tests.helpers import ROOT, assert_invariants, pool_env, until
 
 # The host application's own handlers (an embedded pool takes an App object).
 app = runpool.App()
@@ -55,18 +55,6 @@ async def wait(run: runpool.Run) -> Any:
 
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGCHLD)
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, seconds: float = 15.0) -> Any:
-    """Poll an async predicate (without blocking the loop the pool runs on) until truthy."""
-    deadline = time.monotonic() + seconds
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {seconds}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def statuses(c: psycopg.AsyncConnection[Any], ids: list[uuid.UUID]) -> dict[uuid.UUID, str]:
@@ -249,13 +237,8 @@ async def main():
     with psycopg.connect(dsn, autocommit=True) as conn:
         run_id = runpool.enqueue(conn, "acme", "echo", {"text": "global"})
     async with runpool.Pool(app, dsn=dsn, concurrency=1, poll_seconds=0.1):
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            for _ in range(300):
-                status = conn.execute("SELECT status FROM runpool.runs WHERE id = %s",
-                                      (run_id,)).fetchone()[0]
-                if status == "succeeded":
-                    break
-                await asyncio.sleep(0.05)
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as aconn:
+            status = (await runpool.wait_async(aconn, run_id, timeout=float(sys.argv[2]))).status
     print(json.dumps({"status": status, "same_provider": trace.get_tracer_provider() is provider,
                       "spans": sorted(s.name for s in exporter.get_finished_spans())}))
 
@@ -264,8 +247,10 @@ asyncio.run(main())
 
 
 def test_tracer_provider__the_hosts_global_one_when_none_is_given(dsn: str) -> None:
-    out = subprocess.run([sys.executable, "-c", _GLOBAL_PROVIDER_HOST, dsn], env=pool_env(dsn),
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    bound = 30 * load_stretch()  # the run's wait, and the whole host around it
+    out = subprocess.run([sys.executable, "-c", _GLOBAL_PROVIDER_HOST, dsn, str(bound)],
+                         env=pool_env(dsn), cwd=ROOT, capture_output=True, text=True,
+                         timeout=2 * bound)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["status"] == "succeeded" and report["same_provider"]

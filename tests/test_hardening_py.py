@@ -30,6 +30,7 @@ from tests.helpers import (
     live_workers,
     running_pool,
     scalar,
+    until,
     wait_for,
 )
 
@@ -245,18 +246,15 @@ def test_forged_wakeup_flood__claims_are_rate_limited(
     async def main(login: str) -> tuple[int, float]:
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop, asyncio.Event()))
-        deadline = time.monotonic() + 15
-        while worker.listener is None or not worker.listener.connected.is_set():
-            assert time.monotonic() < deadline, "the listener never connected"
-            await asyncio.sleep(0.02)
+        await until(lambda: worker.listener is not None and worker.listener.connected.is_set(),
+                    "the listener to connect", interval=0.02)
         before, started = claims, time.monotonic()
         await asyncio.to_thread(notify_flood, login, wakeups=3_000)
         # A real run after the flood still starts promptly, and its doorbell comes after
         # every forged one.
         run_id = runpool.enqueue(conn, "acme", "noop")
-        while run_row(conn, run_id)["status"] != "succeeded":
-            assert time.monotonic() < deadline + 30, "the real run never ran"
-            await asyncio.sleep(0.02)
+        await until(lambda: run_row(conn, run_id)["status"] == "succeeded", "the real run",
+                    30, interval=0.02)
         elapsed = time.monotonic() - started
         stop.set()
         await running

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
 
 import psycopg
@@ -9,7 +11,7 @@ import pytest
 
 import runpool
 from runpool import faults
-from runpool.testing import Watch, invariants
+from runpool.testing import Watch, invariants, pools
 from tests.helpers import wait_for
 
 _HISTORY = [
@@ -137,3 +139,17 @@ def test_a_finished_result_thrown_away__is_reported(conn: psycopg.Connection) ->
     assert _violations(conn) == [
         f"tool call {run_id}/c0 (succeeded by attempt 2) was executed by attempt 1, which ended"
         " alive without committing it (its result thrown away, the tool run again)"]
+
+
+def test_wait_for__its_seconds_stretch_with_the_load_and_stay_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine loaded to 4 times its CPUs a 0.2 s wait lasts 0.8 s; at any load, at
+    most LOAD_STRETCH_MAX times its timeout; idle, its timeout."""
+    cpus = os.cpu_count() or 1
+    for load, stretch in ((0.0, 1.0), (4.0 * cpus, 4.0), (1000.0 * cpus, pools.LOAD_STRETCH_MAX)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert pools.load_stretch() == stretch
+        started = time.monotonic()
+        with pytest.raises(AssertionError, match=r"timed out after 0\.2s"):
+            pools.wait_for(lambda: False, timeout=0.2, interval=0.01)
+        assert time.monotonic() - started >= 0.2 * stretch

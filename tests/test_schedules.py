@@ -27,7 +27,7 @@ from runpool.db import aconnect
 from runpool.errors import AppNotFound, InvalidInput
 from runpool.scheduler import Tick, fire_due
 from runpool.schedules import ON_TIME_SECONDS, Schedule, due_plans, next_plan, plan_key, upcoming
-from tests.helpers import running_pool, scalar, wait_for
+from tests.helpers import running_pool, scalar, until, wait_for
 from tests.test_cli import cli
 
 APP = "tests.schedule_apps:app"
@@ -579,10 +579,7 @@ def test_embedded_pool__upserts_its_schedules_fires_without_listen_and_leaves_re
                          " 'nightly', timezone => 'Europe/Berlin', catch_up => 'skip')")
             pin(conn, "nightly-berlin", scalar(conn, "SELECT date_trunc('second', now())"
                                                      " + interval '1 s'"))
-            for _ in range(100):
-                if keys(conn, "nightly-berlin"):
-                    break
-                await asyncio.sleep(0.1)
+            await until(lambda: keys(conn, "nightly-berlin"), "the pinned plan to fire")
             assert len(keys(conn, "nightly-berlin")) == 1
         # A pool of an app without these schedules leaves them alone; the operator's pause
         # survived the restart of a pool that has it.
@@ -653,10 +650,9 @@ def test_idle_pool__no_firing_until_a_plan_is_due_and_forged_doorbells_are_bound
         async with runpool.Pool(app, dsn=dsn, poll_seconds=0.2) as pool:
             scheduler = pool._worker.scheduler
             assert scheduler is not None
-            for _ in range(50):  # past startup: it planned the schedule once
-                if row(conn, "yearly")["next_fire_at"] is not None:
-                    break
-                await asyncio.sleep(0.1)
+            # Past startup: it planned the schedule once.
+            await until(lambda: row(conn, "yearly")["next_fire_at"] is not None,
+                        "the schedule's first plan")
             await asyncio.sleep(0.5)
             idle_from = scheduler.ticks
             await asyncio.sleep(2)  # ~10 polls, each probing the schedules

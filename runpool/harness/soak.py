@@ -402,8 +402,11 @@ def _resume(pid: int) -> None:
         pass
 
 
-def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> int:
-    """Soak a pool for `minutes`; prints the report and returns 0 if every invariant held."""
+def run_soak(settings: Settings, minutes: float, *, seed: int | None = None,
+             min_runs: int = 0) -> int:
+    """Soak a pool for `minutes`, and on until the soak enqueued `min_runs` runs (a loaded
+    machine does less in a minute; ten times `minutes` at the most); prints the report and
+    returns 0 if every invariant held."""
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
     with scratch_database(resolve_dsn(settings)) as pool_dsn:
@@ -434,7 +437,8 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
                 hostile_dsn = make_conninfo(hostile, application_name=DRIVER)
                 soak = Soak(dsn, proxy, pool, rng, hostile_dsn)
                 try:
-                    while time.monotonic() - started < minutes * 60:
+                    while _faulting(time.monotonic() - started, minutes * 60,
+                                    soak.faults["runs_enqueued"] < min_runs):
                         soak.tick()
                         time.sleep(rng.uniform(0.1, 0.5))
                 finally:
@@ -464,6 +468,12 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None) -> 
         "seconds": round(time.monotonic() - started, 1),
     }), flush=True)
     return 0 if not violations else 1
+
+
+def _faulting(elapsed: float, seconds: float, short_of_runs: bool) -> bool:
+    """Whether the faults go on: for `seconds`, then while the soak is short of runs, for
+    ten times `seconds` at the most."""
+    return elapsed < seconds or (short_of_runs and elapsed < 10 * seconds)
 
 
 def _drain(conn: psycopg.Connection[Any], *, timeout: float) -> bool:

@@ -15,26 +15,74 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from ..relay import PROCESS_NAME as LISTENER_NAME
 
-__all__ = ["PoolProcess", "listener_pid", "pool_env", "running_pool", "wait_for", "worker_pids"]
+__all__ = [
+    "LOAD_STRETCH_MAX",
+    "PoolProcess",
+    "Stretched",
+    "listener_pid",
+    "load_stretch",
+    "pool_env",
+    "running_pool",
+    "wait_for",
+    "worker_pids",
+]
 
 T = TypeVar("T")
+
+
+# A wait's timeout is in seconds of a machine with a CPU to spare. While the machine is busier
+# (its load average above its CPU count: other tests, other users), a second counts for less,
+# so a loaded machine makes a test slower instead of failing it; at most this many times less,
+# so every wait stays bounded.
+LOAD_STRETCH_MAX: Final = 10.0
+
+
+def load_stretch() -> float:
+    """How many seconds now are worth one second of a machine with a CPU to spare: the load
+    average over the CPU count, from 1 to LOAD_STRETCH_MAX."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return 1.0
+    return min(max(load / (os.cpu_count() or 1), 1.0), LOAD_STRETCH_MAX)
+
+
+class Stretched:
+    """A timeout in seconds of a machine with a CPU to spare (see load_stretch): a wait polls
+    expired() between its looks at the condition."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.started = self._last = time.monotonic()
+        self._waited = 0.0
+
+    def expired(self) -> bool:
+        now = time.monotonic()
+        self._waited += (now - self._last) / load_stretch()
+        self._last = now
+        return self._waited > self.timeout
+
+    def __str__(self) -> str:
+        return (f"{self.timeout:g}s ({time.monotonic() - self.started:.0f}s by the clock,"
+                f" stretched for load)")
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.05,
              what: str = "condition") -> T:
     """Poll `predicate` until it returns something truthy (and return that), or raise
-    AssertionError after `timeout` seconds: the bounded wait tests use instead of sleeps."""
-    deadline = time.monotonic() + timeout
+    AssertionError after `timeout` seconds: the bounded wait tests use instead of sleeps.
+    On a loaded machine the seconds stretch (load_stretch), LOAD_STRETCH_MAX times at most."""
+    deadline = Stretched(timeout)
     while True:
         value = predicate()
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        if deadline.expired():
+            raise AssertionError(f"timed out after {deadline} waiting for {what}")
         time.sleep(interval)
 
 
