@@ -42,6 +42,19 @@ def pool_env(dsn: str, **settings: Any) -> dict[str, str]:
 Pool = pools.PoolProcess
 
 
+def migrate_below(conn: psycopg.Connection[Any], version: int) -> None:
+    """An empty database brought to the schema just before migration `version`, as an older
+    runpool left it (to test the upgrade)."""
+    from runpool.migrate import BOOTSTRAP, RECORD, migrations
+
+    with conn.transaction():
+        conn.execute(BOOTSTRAP)
+        for m in migrations():
+            if m.version < version:
+                conn.execute(m.sql)
+                conn.execute(RECORD, (m.version, m.name))
+
+
 async def until(check: Callable[[], Any], what: str, seconds: float = 15.0,
                 interval: float = 0.05) -> Any:
     """wait_for in a coroutine: poll `check` (its value, or what it returns awaited) without

@@ -19,7 +19,7 @@ from runpool.db import aconnect, connect
 from runpool.enqueue import enqueue
 from runpool.testing import Proxy, wait_for
 
-from .helpers import running_pool, status_of
+from .helpers import migrate_below, running_pool, status_of
 
 
 def _running(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
@@ -138,15 +138,10 @@ def test_upgrade__0009_rewrites_no_run_row_so_its_lock_lasts_no_longer_with_hist
     and outcome of a live fleet waits meanwhile. An UPDATE of every run that ever finished
     (measured: 6 s of the 8.8 s for 500,000 finished runs) made that outage grow with the
     history; the history's rows must stay as they were (same version: not rewritten)."""
-    from runpool.migrate import BOOTSTRAP, RECORD, migrate, migrations
+    from runpool.migrate import migrate
 
     with connect(empty_dsn, autocommit=True) as conn:
-        with conn.transaction():
-            conn.execute(BOOTSTRAP)
-            for m in migrations():
-                if m.version < 9:
-                    conn.execute(m.sql)
-                    conn.execute(RECORD, (m.version, m.name))
+        migrate_below(conn, 9)
         # Through the SQL of 0008 (Python's enqueue speaks to the latest schema's).
         done, failed, retried, waiting = (
             conn.execute("SELECT runpool.enqueue('acme', 'noop')").fetchone()[0]  # type: ignore[index]

@@ -21,7 +21,7 @@ from runpool import live, live_io
 from runpool.db import aconnect, connect
 from runpool.enqueue import enqueue
 
-from .helpers import ROOT, live_workers, pool_env, running_pool, status_of, wait_for
+from .helpers import ROOT, live_workers, migrate_below, pool_env, running_pool, status_of, wait_for
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -432,15 +432,10 @@ def test_follow__a_long_history_comes_in_pages_in_order_nothing_missed(dsn: str)
 def test_upgrade__runs_from_before_0009_can_be_waited_for_and_followed(empty_dsn: str) -> None:
     """A database at 0008 with finished, running and queued runs: after 0009 each run replays
     its status as of the upgrade, a finished one's follow ends, and new events number on."""
-    from runpool.migrate import BOOTSTRAP, RECORD, migrate, migrations
+    from runpool.migrate import migrate
 
     with connect(empty_dsn, autocommit=True) as conn:
-        with conn.transaction():
-            conn.execute(BOOTSTRAP)
-            for m in migrations():
-                if m.version < 9:
-                    conn.execute(m.sql)
-                    conn.execute(RECORD, (m.version, m.name))
+        migrate_below(conn, 9)
         # Through the SQL of 0008 (Python's enqueue speaks to the latest schema's).
         done, running, queued = (
             conn.execute("SELECT runpool.enqueue('acme', 'noop')").fetchone()[0]  # type: ignore[index]
