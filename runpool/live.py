@@ -46,8 +46,9 @@ WHERE id = %(run_id)s AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
 """
 # A follower's read: the run's header (kind 'run': its status and last seq, from its checkpoint
 # counter once it has one (see 0009); no row: no such run, or another tenant's), its stored
-# events after seq %(after)s (the 'queued' of seq 1 is the run's creation, not a row), and its
-# current progress (kind 'progress', seq = its version).
+# events after seq %(after)s (status changes from status_history, 0017; the 'queued' of seq 1
+# is the run's creation, not a row), and its current progress (kind 'progress', seq = its
+# version).
 # One statement, one snapshot: the header's last seq covers exactly the events returned.
 EVENTS: Final = """
 WITH run AS (
@@ -66,7 +67,7 @@ UNION ALL
 SELECT 'status', s.seq,
        jsonb_strip_nulls(jsonb_build_object('status', s.status, 'attempt', s.attempt,
                                             'reason', s.reason)), s.at
-FROM run JOIN runpool.status_events s ON s.run_id = run.id
+FROM run JOIN runpool.status_history s ON s.run_id = run.id
 WHERE s.seq > %(after)s
 UNION ALL
 (SELECT 'message', m.event_seq, jsonb_build_object('role', m.role, 'content', m.content),

@@ -2,7 +2,8 @@
 -- Return runs whose lease expired to the queue (keeping their rank), or end them: failed past
 -- max_attempts, cancelled if a cancel was requested, failed deadline_exceeded past the run's
 -- deadline. An attempt whose worker died after its timeout came is recorded as a timeout.
--- Rings the doorbell when work came back.
+-- Rings the doorbell when work came back, and an ended run's own (0009). Each status change
+-- stores its live event in its run_events row, numbered here (see 0017 and claim_runs).
 WITH expired AS (
     SELECT id, lease_expires_at
     FROM runpool.runs
@@ -11,6 +12,11 @@ WITH expired AS (
     ORDER BY lease_expires_at
     LIMIT 1000
     FOR UPDATE SKIP LOCKED
+),
+bumped AS (
+    UPDATE runpool.event_seqs s SET seq = s.seq + 1
+    WHERE s.run_id IN (SELECT id FROM expired)
+    RETURNING s.run_id, s.seq
 ),
 reaped AS (
     UPDATE runpool.runs r SET
@@ -37,23 +43,29 @@ reaped AS (
               OR runpool.attempts_used(r.attempt, r.attempt_offset) >= r.max_attempts THEN now() END,
         lease_expires_at = NULL,
         available_at = now(),
-        deferred = false
-    FROM expired
+        deferred = false,
+        event_seq = coalesce(b.seq, r.event_seq + 1)
+    FROM expired LEFT JOIN bumped b ON b.run_id = expired.id
     WHERE r.id = expired.id
-    RETURNING r.id, r.attempt, r.status, r.worker_id,
+    RETURNING r.id, r.attempt, r.status, r.worker_id, r.event_seq, r.cancel_reason,
+              r.error ->> 'reason' AS error_reason,
               CASE WHEN r.status = 'failed' AND r.error ->> 'reason' = 'deadline_exceeded'
                    THEN 'deadline_exceeded'
                    WHEN r.attempt_due < expired.lease_expires_at THEN 'timeout'
                    ELSE 'lease_expired' END AS reason
 ),
 events AS (
-    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
+    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail, seq, status, reason)
     SELECT id, CASE status WHEN 'queued' THEN 'reclaimed' ELSE status END, attempt, worker_id,
-           jsonb_build_object('reason', reason)
+           jsonb_build_object('reason', reason), event_seq, status,
+           CASE status WHEN 'cancelled' THEN coalesce(cancel_reason, error_reason)
+                       WHEN 'failed' THEN error_reason
+                       ELSE reason END
     FROM reaped
 )
 SELECT count(*) AS reaped,
-       CASE WHEN bool_or(status = 'queued') THEN pg_notify('runpool_wakeup', '') END AS rang
+       CASE WHEN bool_or(status = 'queued') THEN pg_notify('runpool_wakeup', '') END AS rang,
+       count(runpool._ring(id)) FILTER (WHERE status <> 'queued') AS ended
 FROM reaped;
 
 -- name: schedule_probe
@@ -188,6 +200,9 @@ FOR NO KEY UPDATE OF t;
 -- name: claim_runs
 -- Claim up to %(limit)s runs of the tenants locked by lock_tenants, best rank first, within
 -- each tenant's free quota. Takes a lease in database time and increments the fencing token.
+-- The status change's live event is its run_events row, with the run's next seq: taken here,
+-- in the same row update (so 0009's trigger, which would number and store it again, stands
+-- aside: 0017), or from the run's counter row once it wrote a checkpoint (kept equal).
 WITH handlers AS (
     SELECT DISTINCT unnest(%(handlers)s::text[]) AS handler
 ),
@@ -237,6 +252,11 @@ locked AS (
       AND (r.deadline IS NULL OR r.deadline > now())
     FOR UPDATE OF r SKIP LOCKED
 ),
+bumped AS (
+    UPDATE runpool.event_seqs s SET seq = s.seq + 1
+    WHERE s.run_id IN (SELECT id FROM locked)
+    RETURNING s.run_id, s.seq
+),
 claimed AS (
     UPDATE runpool.runs r SET
         status = 'running',
@@ -244,8 +264,9 @@ claimed AS (
         worker_id = %(worker_id)s,
         lease_expires_at = now() + %(lease_seconds)s * interval '1 second',
         started_at = now(),
-        attempt_due = now() + r.attempt_timeout
-    FROM locked
+        attempt_due = now() + r.attempt_timeout,
+        event_seq = coalesce(b.seq, r.event_seq + 1)
+    FROM locked LEFT JOIN bumped b ON b.run_id = locked.id
     WHERE r.id = locked.id
     RETURNING r.id, r.tenant, r.handler, r.attempt,
               runpool.attempts_used(r.attempt, r.attempt_offset) AS attempts_used,
@@ -257,11 +278,12 @@ claimed AS (
               -- The queue wait, by this clock: since the run became claimable (created, or
               -- its retry's backoff, delay or wake-up ended) until this claim.
               greatest(extract(epoch FROM clock_timestamp() - r.available_at), 0)::float8
-                  AS waited
+                  AS waited,
+              r.event_seq
 ),
 events AS (
-    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id)
-    SELECT id, 'claimed', attempt, %(worker_id)s FROM claimed
+    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, seq, status)
+    SELECT id, 'claimed', attempt, %(worker_id)s, event_seq, 'running' FROM claimed
 )
 SELECT id, tenant, handler, attempt, attempts_used, max_attempts, input, traceparent, created_at,
        serial_key, budget, usage, due_in, reclaimed, waited
@@ -364,7 +386,8 @@ WHERE r.held AND r.id IN (
 -- cancelled, or retry (queued again after its backoff, or failed when the budget is spent).
 -- A run whose row someone else holds right now (an API session's open cancel_run, say) is
 -- skipped, never waited for, and answered 'busy': the writer submits it again, so one caller
--- cannot hold a whole batch of outcomes hostage.
+-- cannot hold a whole batch of outcomes hostage. Each status change stores its live event in
+-- its run_events row, numbered here (see 0017 and claim_runs); an ended run rings its doorbell.
 WITH outcome AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[], %(outcomes)s::text[],
@@ -372,7 +395,8 @@ WITH outcome AS (
          AS o(id, attempt, outcome, result, error, delay)
 ),
 free AS (
-    SELECT r.id FROM runpool.runs r
+    -- The row as locked (its latest version, not this statement's snapshot of it).
+    SELECT r.id, r.attempt, r.status FROM runpool.runs r
     WHERE r.id IN (SELECT id FROM outcome)
     FOR NO KEY UPDATE OF r SKIP LOCKED
 ),
@@ -389,6 +413,16 @@ decided AS (
     JOIN runpool.runs r ON r.id = o.id AND r.attempt = o.attempt AND r.status = 'running'
     WHERE o.id IN (SELECT id FROM free)
 ),
+bumped AS (
+    -- Exactly the runs `done` updates: held by this statement, running at that attempt (a
+    -- counter taken for a run left unchanged would leave a gap after its last event, and a
+    -- follower would wait for it).
+    UPDATE runpool.event_seqs s SET seq = s.seq + 1
+    WHERE s.run_id IN (SELECT d.id FROM decided d
+                       JOIN free f ON f.id = d.id AND f.attempt = d.attempt
+                       WHERE f.status = 'running')
+    RETURNING s.run_id, s.seq
+),
 done AS (
     UPDATE runpool.runs r SET
         status = d.status,
@@ -404,18 +438,26 @@ done AS (
         rank = CASE WHEN d.status = 'queued'
                     THEN runpool.rank(now() + d.delay * interval '1 second', d.priority,
                                       (SELECT aging_seconds FROM runpool.config))
-                    ELSE r.rank END
-    FROM decided d
+                    ELSE r.rank END,
+        event_seq = coalesce(b.seq, r.event_seq + 1)
+    FROM decided d LEFT JOIN bumped b ON b.run_id = d.id
     WHERE r.id = d.id AND r.attempt = d.attempt AND r.status = 'running'
-    RETURNING r.id, r.attempt, r.status, r.worker_id, r.error
+    RETURNING r.id, r.attempt, r.status, r.worker_id, r.error, r.event_seq,
+              CASE r.status WHEN 'cancelled' THEN coalesce(r.cancel_reason, r.error ->> 'reason')
+                            WHEN 'failed' THEN r.error ->> 'reason'
+                            WHEN 'queued' THEN coalesce(r.error ->> 'reason', 'retry') END
+                  AS reason
 ),
 events AS (
-    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
+    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail, seq, status, reason)
     SELECT id, CASE status WHEN 'queued' THEN 'retry_scheduled' ELSE status END,
-           attempt, worker_id, error
+           attempt, worker_id, error, event_seq, status, reason
     FROM done
+),
+rung AS (
+    SELECT count(runpool._ring(id)) AS ended FROM done WHERE status <> 'queued'
 )
-SELECT id, status FROM done
+SELECT id, status FROM done CROSS JOIN rung
 UNION ALL
 SELECT o.id, 'busy'
 FROM outcome o
@@ -424,9 +466,23 @@ WHERE r.status = 'running' AND o.id NOT IN (SELECT id FROM free);
 
 -- name: release_runs
 -- Give leases back at once (a draining worker): the runs are claimable immediately and the
--- released attempt does not count against max_attempts.
+-- released attempt does not count against max_attempts. Each status change stores its live
+-- event in its run_events row, numbered here (see 0017 and claim_runs).
 WITH held AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
+),
+mine AS (
+    -- Held until commit, checked again as locked: exactly the runs `released` updates (a
+    -- counter taken for a run left unchanged would leave a gap a follower waits for).
+    SELECT r.id FROM runpool.runs r
+    JOIN held ON r.id = held.id AND r.attempt = held.attempt
+    WHERE r.status = 'running'
+    FOR NO KEY UPDATE OF r
+),
+bumped AS (
+    UPDATE runpool.event_seqs s SET seq = s.seq + 1
+    WHERE s.run_id IN (SELECT id FROM mine)
+    RETURNING s.run_id, s.seq
 ),
 released AS (
     UPDATE runpool.runs r SET
@@ -435,18 +491,24 @@ released AS (
         attempt_offset = r.attempt_offset + 1,
         lease_expires_at = NULL,
         available_at = now(),
-        deferred = false
-    FROM held
-    WHERE r.id = held.id AND r.attempt = held.attempt AND r.status = 'running'
-    RETURNING r.id, r.attempt, r.status
+        deferred = false,
+        event_seq = coalesce(b.seq, r.event_seq + 1)
+    FROM mine LEFT JOIN bumped b ON b.run_id = mine.id
+    WHERE r.id = mine.id
+    RETURNING r.id, r.attempt, r.status, r.event_seq,
+              CASE WHEN r.status = 'cancelled'
+                   THEN coalesce(r.cancel_reason, r.error ->> 'reason') ELSE 'released' END
+                  AS reason
 ),
 events AS (
-    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail)
+    INSERT INTO runpool.run_events (run_id, kind, attempt, worker_id, detail, seq, status, reason)
     SELECT id, CASE status WHEN 'queued' THEN 'released' ELSE status END, attempt,
-           %(worker_id)s, '{"reason": "worker_shutdown"}'::jsonb
+           %(worker_id)s, '{"reason": "worker_shutdown"}'::jsonb, event_seq, status, reason
     FROM released
 )
-SELECT count(*) AS released, pg_notify('runpool_wakeup', '') AS rang FROM released;
+SELECT count(*) AS released, pg_notify('runpool_wakeup', '') AS rang,
+       count(runpool._ring(id)) FILTER (WHERE status = 'cancelled') AS ended
+FROM released;
 
 -- name: register_worker
 -- Announce a worker process and the handlers it serves (explain_run reads them).

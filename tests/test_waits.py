@@ -98,7 +98,7 @@ def test_approval_flow__the_run_leaves_its_slot_and_continues_with_the_payload(
     assert events(conn, run_id) == ["enqueued", "claimed", "waiting", "resumed", "claimed",
                                     "succeeded"]
     # Followers see it wait and resume (live runs' status events).
-    assert list(conn.execute("SELECT status, reason FROM runpool.status_events"
+    assert list(conn.execute("SELECT status, reason FROM runpool.status_history"
                              " WHERE run_id = %s ORDER BY seq", (run_id,))) == [
         ("running", None), ("waiting", "signal"), ("queued", "resumed"), ("running", None),
         ("succeeded", None)]
