@@ -245,7 +245,11 @@ locked AS (
                 ORDER BY e.id DESC LIMIT 1) = 'reclaimed', false)
                 ELSE false END AS reclaimed
     FROM runpool.runs r
-    WHERE r.id IN (SELECT id FROM candidates)
+    -- An id array, not IN (subquery): a generic plan (the worker's) knows no LIMIT, sized
+    -- the candidates in the thousands and read all of runs twice per claim (here and in the
+    -- update below), a cost growing with the table; an array of unknown length is sized at
+    -- ten, and both read runs through its primary key.
+    WHERE r.id = ANY(ARRAY(SELECT id FROM candidates))
       AND r.status = 'queued'
       AND NOT r.held
       -- Past its deadline a run never starts (the deadline sweep ends it).
