@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
 
 from runpool.web import create_app
 from tests.helpers import running_pool, status_of, wait_for
@@ -17,6 +17,9 @@ from tests.system import require_program
 from tests.webserver import serving
 
 pytestmark = pytest.mark.slow
+# A page's expectations wait for what the page will show; Playwright's 5 s default is short for
+# a machine at load 20 (a bound, not a pace: a passing expectation returns at once).
+expect.set_options(timeout=15_000)
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -94,5 +97,34 @@ def test_browser_console__tenants_live_run_and_cancel(browser: Browser, dsn: str
         wait_for(lambda: status_of(conn, dead) == "failed"
                  and conn.execute("SELECT attempt FROM runpool.runs WHERE id = %s",
                                   (dead,)).fetchone()[0] == 2, what="the retried run to run")
+        page.close()
+        assert errors == [], errors
+
+
+def test_browser_console__a_late_cancel_answer_never_takes_the_streamed_end_back(
+        browser: Browser, dsn: str, conn) -> None:
+    """The cancel's own response ("running": cancel requested) can arrive after the stream has
+    told "cancelled" (CI at load 20 saw it): the page keeps "cancelled" and hides Cancel."""
+    chatty = _enqueue(conn, "acme", "chat", '{"every": 0.4}')
+    with running_pool(dsn, app="tests.web_apps:app", concurrency=2), \
+            serving(create_app(dsn)) as url:
+        wait_for(lambda: status_of(conn, chatty) == "running", what="the chat run to start")
+        page = browser.new_page()
+        errors = _watch_errors(page)
+        held: list[Route] = []
+        page.route("**/api/runs/*/cancel", lambda route: held.append(route))  # answered late
+        page.goto(f"{url}/runs/{chatty}")
+        expect(page.locator("#status")).to_have_text("running")
+        with page.expect_request("**/api/runs/*/cancel"):
+            page.click("#cancel")
+        # Playwright hands the held route over only inside its own calls: evaluate lets it.
+        wait_for(lambda: held or page.evaluate("false"), what="the cancel request held")
+        conn.execute("SELECT runpool.cancel_run(%s, 'test')", (chatty,))
+        expect(page.locator("#status")).to_have_text("cancelled", timeout=15_000)
+        held[0].fulfill(status=200, json={"id": str(chatty), "status": "running"})
+        expect(page.locator('#cancel[data-answer="running"]')).to_be_attached()
+        expect(page.locator("#status")).to_have_text("cancelled")
+        expect(page.locator("#cancel")).to_be_hidden()
+        expect(page.locator("#retry")).to_be_visible()
         page.close()
         assert errors == [], errors

@@ -2,6 +2,8 @@
 // (Server-Sent Events from /api/runs/{id}/events). No framework, no build step.
 "use strict";
 
+const TERMINAL = ["succeeded", "failed", "cancelled"];
+
 // The prefix the console is mounted under ("" at the root of its server).
 const root = document.body.dataset.root || "";
 
@@ -15,11 +17,18 @@ async function act(button) {
     });
     const answer = await response.json();
     if (!response.ok) throw new Error(answer.error || response.statusText);
+    // The server's answer stays on the button: a script (or a test) can tell it was handled.
+    button.dataset.answer = answer.status;
     const note = document.createElement("span");
     note.className = "badge " + answer.status;
     note.textContent = answer.status;
     if (document.getElementById("run")) {
-      setStatus(answer.status);
+      // The stream may have told a later status than this answer (a cancelled run's status
+      // event can beat the cancel's own response, which says "running"): an answer never
+      // takes a terminal status back, but a retry's, which revives the run.
+      if (action === "retry" || !TERMINAL.includes(document.getElementById("status").textContent)) {
+        setStatus(answer.status);
+      }
       if (action === "retry") followRun();
     } else {
       button.replaceWith(note);
@@ -34,7 +43,7 @@ function setStatus(status) {
   const badge = document.getElementById("status");
   badge.textContent = status;
   badge.className = "badge " + status;
-  const terminal = ["succeeded", "failed", "cancelled"].includes(status);
+  const terminal = TERMINAL.includes(status);
   document.getElementById("cancel").hidden = terminal;
   document.getElementById("retry").hidden = !["failed", "cancelled"].includes(status);
 }
@@ -105,7 +114,7 @@ function followRun() {
   handle("status", (ev) => {
     setStatus(ev.data.status);
     if (ev.data.attempt !== undefined) document.getElementById("attempt").textContent = ev.data.attempt;
-    if (["succeeded", "failed", "cancelled"].includes(ev.data.status)) {
+    if (TERMINAL.includes(ev.data.status)) {
       stream.close();
       live.textContent = "";
     }
