@@ -78,6 +78,7 @@ async def claim_statements(
     lease_seconds: float,
     touch: bool = False,
     reap_expired: bool = True,
+    promote: bool = True,
     handlers: Sequence[str] | None = None,
     on_schedules: Callable[[float | None, bool], None] | None = None,
 ) -> psycopg.AsyncCursor[dict[str, Any]] | None:
@@ -91,7 +92,9 @@ async def claim_statements(
     costs one transaction per poll and no more. `reap_expired` returns expired leases to the
     queue first (a busy worker need not do it on every claim: an expired lease never counts
     against a quota, it only waits to be claimable again) and gives headless serial keys their
-    head (see heal_serial_keys). With `handlers`, only runs of those handlers are claimed (a
+    head (see heal_serial_keys). `promote` first lets runs whose time came (a run_at, a retry's
+    backoff, a durable sleep) into the claim's index: a busy worker's refills do it at a
+    cadence, not on every claim. With `handlers`, only runs of those handlers are claimed (a
     mixed fleet: another pool's runs wait for it). With `on_schedules`, the reap also probes
     the schedules' earliest plan and tells it (seconds until it, whether one needs planning).
     """
@@ -110,10 +113,13 @@ async def claim_statements(
             probe = await conn.execute(QUERIES["schedule_probe"])
     if touch:
         await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
-    # Runs whose time has come join the claim's index first (one index probe when none has).
-    await conn.execute(QUERIES["promote_due"])
-    # So do waiting runs whose sleep ended or wait timed out (one index probe when none has).
-    await conn.execute(QUERIES["wake_due"])
+    if promote:
+        # Runs whose time has come join the claim's index first (one index probe when none
+        # has).
+        await conn.execute(QUERIES["promote_due"])
+        # So do waiting runs whose sleep ended or wait timed out (one index probe when none
+        # has).
+        await conn.execute(QUERIES["wake_due"])
     if handlers is None:
         cur = await conn.execute(QUERIES["ready_handlers"])
         names = [h for (h,) in await cur.fetchall()]
@@ -140,17 +146,20 @@ async def read_claimed(cursor: psycopg.AsyncCursor[dict[str, Any]] | None) -> li
     return [ClaimedRun(**row) for row in await cursor.fetchall()] if cursor else []
 
 
-async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, **options: Any
-                ) -> list[ClaimedRun]:
+async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, no_jit: bool = True,
+                **options: Any) -> list[ClaimedRun]:
     """Claim up to `limit` runs in one short transaction of their own (never held across
-    handler code); `options` are claim_statements' (worker_id, lease_seconds, ...)."""
+    handler code); `options` are claim_statements' (worker_id, lease_seconds, ...). `no_jit`:
+    turn JIT off for the transaction (False: the session has it off already, see
+    db.WORKER_SESSION; a statement less)."""
     if limit <= 0:
         return []
     # Pipelined: BEGIN, the reap and the tenant locks travel in one round trip; the claim and
     # COMMIT in a second.
     async with conn.pipeline():
         async with conn.transaction():
-            await conn.execute(NO_JIT)
+            if no_jit:
+                await conn.execute(NO_JIT)
             cursor = await claim_statements(conn, limit=limit, **options)
     faults.hit("claim.committed", conn)
     return await read_claimed(cursor)

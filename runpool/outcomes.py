@@ -147,8 +147,11 @@ class OutcomeWriter:
     """
 
     def __init__(self, pool: AsyncConnectionPool, *, worker_id: uuid.UUID,
-                 refill: Refill | None = None) -> None:
+                 refill: Refill | None = None, no_jit: bool = True) -> None:
         self._pool = pool
+        # Turn JIT off in each refilling transaction (False: the pool's sessions have it off
+        # already, see db.WORKER_SESSION; a statement less per batch).
+        self._no_jit = no_jit
         self._worker_id = worker_id
         self._refill = refill
         self._queue: asyncio.Queue[Pending] = asyncio.Queue()
@@ -271,7 +274,8 @@ class OutcomeWriter:
                 assert self._refill is not None
                 async with conn.pipeline():
                     async with conn.transaction():
-                        await conn.execute(NO_JIT)
+                        if self._no_jit:
+                            await conn.execute(NO_JIT)
                         if serial:
                             await conn.execute(QUERIES["defer_serial_release"])
                         finished = await conn.execute(QUERIES["finish_runs"], params)

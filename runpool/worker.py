@@ -49,6 +49,12 @@ logger = logging.getLogger("runpool.worker")
 
 # Seconds between reaps of expired leases by one busy worker (every claim when idle-polling).
 REAP_INTERVAL = 1.0
+# Seconds between the promotions of due runs (run_at, a retry's backoff, a durable sleep) by
+# the claims that ride on a busy worker's outcome batches: two of the claim's four statements,
+# which would otherwise run in every batch and nearly always find nothing. The worker's own
+# claims (a wake-up, a free slot, the poll) always promote: a run whose time came while the
+# worker was saturated waits for a slot anyway, and at most this much longer for its turn.
+PROMOTE_INTERVAL = 0.25
 
 
 class Worker:
@@ -78,6 +84,7 @@ class Worker:
         # Showing the database this worker is alive: a heartbeat does, else an idle claim.
         self._touch = Cadence(settings.heartbeat_seconds)
         self._reap = Cadence(REAP_INTERVAL)
+        self._promote = Cadence(PROMOTE_INTERVAL)
         # Bound on one claim transaction (normally milliseconds): a silent server must not
         # stall the loop for longer than a fraction of a lease.
         self._db_timeout = max(2.0, min(10.0, settings.lease_seconds / 3))
@@ -115,7 +122,8 @@ class Worker:
             self.scheduler = Scheduler(self._pool, catch_up_max=s.schedule_catchup_max,
                                        poll_seconds=s.poll_seconds, worker_id=self.id)
             self._stop = stop
-            writer = OutcomeWriter(self._pool, worker_id=self.id, refill=self)
+            writer = OutcomeWriter(self._pool, worker_id=self.id, refill=self,
+                                   no_jit=s.stateless)
             progress = Publisher(self._pool, log=self._log)
             self._runner = SlotRunner(
                 settings=s, app=self.app, pool=self._pool, outcomes=writer, slots=self.slots,
@@ -258,12 +266,15 @@ class Worker:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), pause)
 
-    def _claim_options(self) -> dict[str, Any]:
+    def _claim_options(self, *, refill: bool) -> dict[str, Any]:
         now = time.monotonic()
+        if not refill:
+            self._promote.done(now)
         # Marked done when sent: a failed claim is simply repeated at the next one. Reclaiming
         # within a second of expiry is plenty; a claim every few ms need not reap.
         return {"worker_id": self.id, "lease_seconds": self.settings.lease_seconds,
                 "touch": self._touch.due(now), "reap_expired": self._reap.due(now),
+                "promote": not refill or self._promote.due(now),
                 "handlers": self.app.names,
                 "on_schedules": self.scheduler.observe if self.scheduler else None}
 
@@ -276,7 +287,8 @@ class Worker:
         self._reserved += limit
         try:
             async with bounded(self._pool, self._db_timeout) as conn:
-                claimed = await claim(conn, limit=limit, **self._claim_options())
+                claimed = await claim(conn, limit=limit, no_jit=self.settings.stateless,
+                                      **self._claim_options(refill=False))
         finally:
             self._reserved -= limit
         metrics.claimed(time.monotonic() - sent)
@@ -291,7 +303,7 @@ class Worker:
 
     async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
                          ) -> psycopg.AsyncCursor[dict[str, Any]] | None:
-        return await claim_statements(conn, limit=limit, **self._claim_options())
+        return await claim_statements(conn, limit=limit, **self._claim_options(refill=True))
 
     def started(self, claimed: list[ClaimedRun], sent: float) -> None:
         for c in claimed:

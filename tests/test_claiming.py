@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -162,3 +163,21 @@ def test_finish__fenced_by_attempt(conn: psycopg.Connection) -> None:
     assert run_row(conn, run_id)["status"] == "running"
     assert conn.execute(QUERIES["finish_runs"], finish_params([(run_id, 2)])).fetchall() == [
         (run_id, "succeeded")]
+
+
+def test_claim__without_promote_a_due_run_waits_for_a_claim_that_promotes(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # A busy worker's refill claims leave the promotion of due runs to a cadence (see
+    # worker.PROMOTE_INTERVAL): such a claim must not see a run whose time came since.
+    due = runpool.enqueue(conn, "acme", "noop", run_at=datetime.now(UTC) + timedelta(seconds=0.3))
+    wait_for(lambda: scalar(conn, "SELECT available_at <= now() FROM runpool.runs WHERE id = %s",
+                            due), what="the run's time to come")
+
+    async def main() -> tuple[list[uuid.UUID], list[uuid.UUID]]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            worker = uuid.uuid4()
+            skipped = await claim(c, worker_id=worker, limit=5, lease_seconds=30, promote=False)
+            promoted = await claim(c, worker_id=worker, limit=5, lease_seconds=30)
+            return [r.id for r in skipped], [r.id for r in promoted]
+
+    assert asyncio.run(main()) == ([], [due])

@@ -229,3 +229,17 @@ def test_heartbeat__a_row_held_through_beats_is_renewed_soon_after_it_is_let_go(
         wait_for(lambda: _terminal(conn, run_id), timeout=30, what="the run to end")
     row = run_row(conn, run_id)
     assert (row["status"], row["attempt"]) == ("succeeded", 1)
+
+
+def test_saturated_worker__claims_a_retry_when_its_backoff_ends_not_after_the_drain(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # A saturated worker claims only on its outcome batches, which promote due runs at a
+    # cadence rather than in every batch: a retry's backoff still ends within the drain.
+    flaky = runpool.enqueue(conn, "acme", "flaky", {"fail_times": 1}, priority=100)
+    crowd = runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop") for _ in range(1500)])
+    with running_pool(dsn, concurrency=2, retry_backoff_seconds=0.2, poll_seconds=30):
+        wait_for(lambda: _terminal(conn, flaky), what="the flaky run's retry")
+        assert run_row(conn, flaky)["status"] == "succeeded"
+        left = scalar(conn, "SELECT count(*) FROM runpool.runs WHERE id = ANY(%s)"
+                      " AND status = 'queued'", crowd)
+        assert left > 0, "the retry waited for the whole crowd: the backoff's end was missed"
