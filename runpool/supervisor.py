@@ -7,9 +7,10 @@ SIGINT, since a terminal's Ctrl-C reaches the whole process group and only the s
 relay should count. The supervisor opens no database connection and starts no thread before
 it forks.
 
-One LISTEN connection serves the whole host: with LISTEN on, the supervisor also forks a
-listener process (runpool.relay) that passes every notice on to the workers over a socket pair
-each; it is restarted like a worker, and stopped last, so draining workers still hear cancels.
+One LISTEN connection serves the whole host: with LISTEN on and more than one worker, the
+supervisor also forks a listener process (runpool.relay) that passes every notice on to the
+workers over a socket pair each; it is restarted like a worker, and stopped last, so draining
+workers still hear cancels. A single worker holds the host's LISTEN connection itself.
 """
 
 from __future__ import annotations
@@ -142,8 +143,11 @@ class Supervisor:
         self._restart_at: dict[int, tuple[float, int]] = {}
         self._read_fd, self._write_fd = os.pipe()
         # Per worker index: (the listener's end, the worker's end). Both stay open here for
-        # the supervisor's life, so a restarted worker or listener finds its peer's end.
-        self._pairs = [pair() for _ in range(settings.workers)] if settings.listen else []
+        # the supervisor's life, so a restarted worker or listener finds its peer's end. A
+        # lone worker listens itself: the host's one LISTEN connection either way, and each
+        # wake-up saves a process hop (the relay's context switch: W2's latency).
+        self._pairs = ([pair() for _ in range(settings.workers)]
+                       if settings.listen and settings.workers > 1 else [])
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals += 1

@@ -254,10 +254,7 @@ class Worker:
                     self._start(c, sent)
                 if len(claimed) == free:
                     continue
-            timeout = max(next_poll - time.monotonic(), 0)
-            try:
-                await asyncio.wait_for(self._attention.wait(), timeout)
-            except TimeoutError:
+            if not await self._attend(max(next_poll - time.monotonic(), 0)):
                 next_poll = time.monotonic() + self._poll_delay()
             else:
                 # A burst of wake-ups (forged, or many workers racing for one run) waits here;
@@ -265,6 +262,24 @@ class Worker:
                 if (pause := self._claim_budget.delay()) > 0:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), pause)
+
+    async def _attend(self, seconds: float) -> bool:
+        """Wait for attention (True) or until `seconds` pass (False: a poll is due). A timer
+        on the event, not asyncio.wait_for: that wraps each wait in a task of its own, two
+        more loop turns on every wake-up's path."""
+        polled = False
+
+        def poll() -> None:
+            nonlocal polled
+            polled = True
+            self._attention.set()
+
+        timer = asyncio.get_running_loop().call_later(seconds, poll)
+        try:
+            await self._attention.wait()
+        finally:
+            timer.cancel()
+        return not polled
 
     def _claim_options(self, *, refill: bool) -> dict[str, Any]:
         now = time.monotonic()

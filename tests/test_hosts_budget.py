@@ -63,6 +63,23 @@ def test_budget__one_listen_connection_per_host_wakes_and_cancels_every_worker(
         assert "action=listen_lost" not in pool.log()
 
 
+def test_budget__a_lone_worker_holds_the_listen_connection_itself_and_hears_everything(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # No listener process to relay through: one LISTEN connection for the host all the same,
+    # and each wake-up is one process hop shorter (W2).
+    with running_pool(dsn, workers=1, concurrency=2, poll_seconds=60, lease_seconds=120) as pool:
+        wait_for(lambda: scalar(conn, LISTENERS) == 1, what="the host's LISTEN connection")
+        wait_for(lambda: len(pool.workers()) == 1, what="1 worker")
+        assert pool.listener() is None
+        hold = runpool.enqueue(conn, "acme", "hold", {})
+        wait_for(lambda: _count(conn, [hold], "running") == 1, timeout=10,
+                 what="a run started by its doorbell")
+        conn.execute("SELECT runpool.cancel_run(%s, 'test')", (hold,))
+        wait_for(lambda: _count(conn, [hold], "cancelled") == 1, timeout=10,
+                 what="a cancel heard by the worker")
+        assert scalar(conn, LISTENERS) == 1 and scalar(conn, RUNPOOL_CONNECTIONS) == 1 + 1 + 4
+
+
 def test_budget__a_killed_listener_process_is_restarted_and_the_workers_hear_it(
         conn: psycopg.Connection, dsn: str) -> None:
     with running_pool(dsn, workers=2, concurrency=2, poll_seconds=60, lease_seconds=120) as pool:
