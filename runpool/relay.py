@@ -61,11 +61,14 @@ class _Fanout:
 PROCESS_NAME: Final = "runpool-listen"
 
 
-def run_relay_process(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None) -> int:
-    """The body of the relay process; returns its exit code."""
+def run_relay_process(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None, *,
+                      loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> int:
+    """The body of the relay process (on the workers' kind of event loop, `loop_factory`);
+    returns its exit code."""
     with contextlib.suppress(OSError):  # not Linux: the name is only a convenience
         Path("/proc/self/comm").write_text(PROCESS_NAME)
-    return asyncio.run(_relay(listen_dsn, ends, parent_fd))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(_relay(listen_dsn, ends, parent_fd))
 
 
 async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None) -> int:

@@ -72,8 +72,9 @@ class Settings:
     # wait in the database's outbox until a pool with a webhook delivers them, or retention
     # removes them).
     alert_webhook: str | None = None
-    # Worker processes run on uvloop's event loop when it is installed (the `fast` extra):
-    # None uses it if importable, False never (README: Performance).
+    # Worker processes (and the host's listener process) run on uvloop's event loop when it
+    # is installed (a dependency where it builds): None uses it if importable, False never
+    # (README: Performance).
     uvloop: bool | None = None
 
     def __post_init__(self) -> None:

@@ -158,7 +158,8 @@ class Supervisor:
             for _, worker_end in self._pairs:
                 worker_end.close()
             return run_relay_process(self.settings.listen_dsn or self.dsn,
-                                     [ends[0] for ends in self._pairs], self._read_fd)
+                                     [ends[0] for ends in self._pairs], self._read_fd,
+                                     loop_factory=_loop_factory(self.settings))
         for i, (listener_end, worker_end) in enumerate(self._pairs):
             listener_end.close()
             if i != index:
