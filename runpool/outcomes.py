@@ -126,7 +126,9 @@ class Refill(Protocol):
     async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
                          ) -> psycopg.AsyncCursor[dict[str, Any]] | None: ...
 
-    def started(self, claimed: list[ClaimedRun], sent: float) -> None: ...
+    def started(self, claimed: list[ClaimedRun], sent: float) -> None:
+        """Told after every refill's commit, even one that claimed nothing (`sent`: when the
+        batch's transaction was asked for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +268,7 @@ class OutcomeWriter:
             "errors": [None if o.error is None else jsonb(o.error) for o in outcomes],
             "delays": [o.retry_delay for o in outcomes],
         }
-        claimed: list[ClaimedRun] = []
+        claimed: list[ClaimedRun] | None = None
         sent = time.monotonic()
         async with bounded(self._pool, 10) as conn:
             faults.hit("outcome.committing", conn)
@@ -287,7 +289,7 @@ class OutcomeWriter:
             else:
                 finished = await conn.execute(QUERIES["finish_runs"], params)
             statuses = {run_id: status for run_id, status in await finished.fetchall()}
-        if claimed:
+        if claimed is not None:
             assert self._refill is not None
             self._refill.started(claimed, sent)
         return statuses

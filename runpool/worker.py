@@ -25,6 +25,7 @@ from . import metrics, telemetry
 from .alerts import AlertSender
 from .app import App
 from .cancellation import Canceller
+from .claim_times import ClaimTimes
 from .claiming import ClaimedRun, claim, claim_statements
 from .db import application_name, open_pool
 from .deadlines import bounded
@@ -96,6 +97,8 @@ class Worker:
         self.listener: Listener | RelayReader | None = None
         self.scheduler: Scheduler | None = None
         self._claim_budget = ClaimBudget()
+        # Every claim's duration, told on the worker's last log line (see claim_times).
+        self.claim_times = ClaimTimes()
         self._log = {"worker_id": str(self.id)}
         # 0, or EXIT_STUCK once a run's thread outlived its grace: the process must end it.
         self.exit_code = 0
@@ -177,7 +180,8 @@ class Worker:
             await cancel_all(side)
             await self._unregister()
             await self._pool.close()
-            logger.info("worker stopped", extra={"action": "worker_stopped", **self._log})
+            logger.info("worker stopped", extra={"action": "worker_stopped", **self._log,
+                                                 "claims": self.claim_times.summary()})
         if self._side_failure is not None:
             raise WorkerFailed(f"worker {self.id} stopped: its side task failed:"
                                f" {self._side_failure!r}") from self._side_failure
@@ -306,7 +310,9 @@ class Worker:
                                       **self._claim_options(refill=False))
         finally:
             self._reserved -= limit
-        metrics.claimed(time.monotonic() - sent)
+        took = time.monotonic() - sent
+        metrics.claimed(took)
+        self.claim_times.record(took, len(claimed))
         return [(c, sent) for c in claimed]
 
     # -- refill: claims riding on the outcome writer's transaction (see OutcomeWriter) ---------
@@ -321,6 +327,7 @@ class Worker:
         return await claim_statements(conn, limit=limit, **self._claim_options(refill=True))
 
     def started(self, claimed: list[ClaimedRun], sent: float) -> None:
+        self.claim_times.record(time.monotonic() - sent, len(claimed))
         for c in claimed:
             self._start(c, sent)
 

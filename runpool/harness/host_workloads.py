@@ -3,16 +3,20 @@ many claimers (16 worker processes x 50 slots) against the W1 shape (2 x 10) on 
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 import threading
 from typing import Any, Final
 
 import psycopg
 
+from ..claim_times import merged_percentiles
 from ..db import connect
 from ..enqueue import RunSpec, enqueue_many
 from ..testing.databases import database_name, scratch_database
 from ..testing.pgbouncer import pgbouncer
-from ..testing.pools import running_pool
+from ..testing.pools import PoolProcess, running_pool
 from .measure import COUNT_DONE, DRAIN_RATE, XACTS, cpu_seconds, wait_until
 
 __all__ = ["w1p_pooler", "w16_many_claimers", "wcommits"]
@@ -89,14 +93,34 @@ class _Sampler:
         self._thread.join(10)
 
 
+def _claim_times(pool: PoolProcess) -> dict[str, Any]:
+    """Drain the pool and merge its workers' claim histograms (their `worker_stopped` lines):
+    claim transactions per run, the share that claimed nothing, p50/p99/max in ms."""
+    pool.send_signal(signal.SIGTERM)
+    try:
+        pool.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pass  # running_pool kills it on the way out; the lines logged so far still count
+    claims = []
+    for line in pool.log().splitlines():
+        if line.startswith("{") and '"worker_stopped"' in line:
+            claims.append(json.loads(line)["claims"])
+    n = sum(c["n"] for c in claims)
+    p50, p99, top = merged_percentiles(claims)
+    return {"claims": n, "claims_empty": sum(c["empty"] for c in claims),
+            "runs_per_claim": round(sum(c["runs"] for c in claims) / max(n, 1), 2),
+            "claim_p50_ms": p50, "claim_p99_ms": p99, "claim_max_ms": top}
+
+
 def _many(server: str, runs: int, workers: int, concurrency: int,
           host_connections: int | None, tenants: int) -> dict[str, Any]:
     with scratch_database(server) as dsn, connect(dsn) as conn, \
             psycopg.connect(server, autocommit=True) as admin:
         name = database_name(dsn)
         _enqueue(conn, runs, tenants)
-        with running_pool(dsn, BENCH_APP, stop="drain", output="discard", workers=workers,
-                          concurrency=concurrency, host_connections=host_connections) as pool:
+        with running_pool(dsn, BENCH_APP, stop="drain", output="capture", workers=workers,
+                          concurrency=concurrency, host_connections=host_connections,
+                          log_format="json") as pool:
             wait_until(conn, "SELECT count(*) FROM runpool.workers WHERE stopped_at IS NULL",
                        workers, timeout=120)
             backends = [p for (p,) in admin.execute(BACKENDS, (name,))]
@@ -112,6 +136,7 @@ def _many(server: str, runs: int, workers: int, concurrency: int,
             cpu_server = cpu_seconds(backends) - cpu_server
             admin.execute("SELECT pg_stat_clear_snapshot()")
             after = admin.execute(XACTS, (name,)).fetchone()
+            claims = _claim_times(pool)
         row = conn.execute(DRAIN_RATE).fetchone()
         assert row is not None and xacts is not None and after is not None
         samples = max(len(sampler.waiting), 1)
@@ -124,6 +149,7 @@ def _many(server: str, runs: int, workers: int, concurrency: int,
             "lock_waits_by_kind": {k: round(v / samples, 2) for k, v in sampler.kinds.items()},
             "pool_cpu_ms_per_run": round(cpu_pool * 1000 / runs, 3),
             "server_cpu_ms_per_run": round(cpu_server * 1000 / runs, 3),
+            **claims,
         }
 
 
