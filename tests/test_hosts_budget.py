@@ -21,6 +21,11 @@ LISTENERS = """
 SELECT count(*) FROM pg_stat_activity
 WHERE datname = current_database() AND query LIKE 'LISTEN runpool_wakeup%%'
 """
+# When the host's LISTEN connection (re)connected.
+LISTEN_STARTED = """
+SELECT max(backend_start) FROM pg_stat_activity
+WHERE datname = current_database() AND query LIKE 'LISTEN runpool_wakeup%%'
+"""
 # runpool's connections to this database (the test's own are not named runpool-...).
 RUNPOOL_CONNECTIONS = """
 SELECT count(*) FROM pg_stat_activity
@@ -99,6 +104,34 @@ def test_budget__a_killed_listener_process_is_restarted_and_the_workers_hear_it(
                 timeout=10, what="a run woken by the new listener")
         assert set(pool.workers()) == workers
         assert len(re.findall(r"started the host's listener", pool.log())) == 2
+
+
+def test_budget__doorbells_rung_while_the_listener_is_dead_are_not_lost_for_a_poll(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Runs enqueued between the listener's SIGKILL and its successor's LISTEN ring doorbells
+    nobody hears; the new listener tells every worker to claim once, so they start long before
+    the workers' next poll (60 s), and nobody enqueues anything after them to ring again."""
+    with running_pool(dsn, workers=2, concurrency=2, poll_seconds=60, lease_seconds=120) as pool:
+        wait_for(lambda: scalar(conn, LISTENERS) == 1, what="the host's LISTEN connection")
+        # Both workers past their first claim, asleep until a doorbell.
+        wait_for(lambda: pool.log().count("worker started") == 2, what="2 workers")
+        warm = runpool.enqueue(conn, "acme", "noop", {})
+        wait_for(lambda: _count(conn, [warm], "succeeded") == 1, what="a first run")
+        listener = pool.listener()
+        assert listener is not None
+        os.kill(listener, signal.SIGKILL)
+        wait_for(lambda: scalar(conn, LISTENERS) == 0, what="the LISTEN connection gone")
+        ids = [runpool.enqueue(conn, "acme", "noop", {}) for _ in range(3)]
+        wait_for(lambda: _count(conn, ids, "succeeded") == 3, timeout=20,
+                 what="runs enqueued while the listener was dead, started within a poll")
+        # Their doorbells rang before the new listener listened (nobody heard them), and they
+        # were claimed once it did: its catch-up, not a poll, started them.
+        listening = scalar(conn, LISTEN_STARTED)
+        assert listening > scalar(
+            conn, "SELECT max(created_at) FROM runpool.runs WHERE id = ANY(%s)", ids)
+        assert listening < scalar(
+            conn, "SELECT min(started_at) FROM runpool.runs WHERE id = ANY(%s)", ids)
+        wait_for(lambda: pool.listener() not in (None, listener), what="a new listener")
 
 
 def test_budget__a_forged_notice_flood_through_the_listener_process_breaks_nothing(

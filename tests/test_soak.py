@@ -26,6 +26,8 @@ def test_soak__a_short_soak_under_random_faults_keeps_every_invariant(server_dsn
     real = {"worker_sigkill", "worker_sigstop", "pg_terminate_backend", "connections_cut",
             "blackhole"}
     assert len(real & {k for k, n in report["faults"].items() if n}) >= 3, report["faults"]
+    # The host's listener process was killed under load at least once (and restarted: `ok`).
+    assert report["faults"].get("listener_sigkill", 0) >= 1, report["faults"]
     assert sum(report["statuses"].values()) >= 100 and report["watch_samples"] > 100
 
 

@@ -5,10 +5,12 @@ A real pool (`python -m runpool`, two workers) runs agent-like handlers against 
 database through a TCP proxy, while the driver enqueues work and, at random, kills and
 freezes workers, terminates their backends, cuts and black-holes their connections, cancels
 runs, races idempotency keys, tries bad input, enqueues poison inputs for one tenant through
-the SQL API and floods NOTIFY from a login with no privileges. The database itself is set up
-as production databases often are: sessions idle for 3 s are closed by the server, the default
-isolation is repeatable read, and every idle pool connection is terminated now and then (a
-failover, a restart). Then it heals everything, waits
+the SQL API, floods NOTIFY from a login with no privileges and kills the host's listener
+process (its one LISTEN connection, relaying doorbells and cancel notices to the workers: at
+least once a third of the way in, then at random); the supervisor must start a new one. The
+database itself is set up as production databases often are: sessions idle for 3 s are closed
+by the server, the default isolation is repeatable read, and every idle pool connection is
+terminated now and then (a failover, a restart). Then it heals everything, waits
 for every run to end and prints one JSON line: the faults injected and runpool.invariants'
 report.
 """
@@ -41,7 +43,7 @@ from ..settings import Settings
 from ..testing.databases import scratch_database
 from ..testing.hostile import POISON_INPUTS, enqueue_raw, notify_flood, unprivileged_login
 from ..testing.invariants import EXECUTIONS_DDL, Watch, check, record_execution
-from ..testing.pools import running_pool, worker_pids
+from ..testing.pools import listener_pid, running_pool, wait_for, worker_pids
 from ..testing.proxy import Proxy
 
 __all__ = ["app", "other_app", "run_soak"]
@@ -198,6 +200,7 @@ class Soak:
         # interleave with (bad_input checks that a refusal wrote nothing).
         self._held: list[psycopg.Connection[Any]] = []
         self._counting = threading.Lock()
+        self._killed_listeners: set[int] = set()
 
     def tick(self) -> None:
         actions: dict[Callable[[], None], float] = {
@@ -206,6 +209,7 @@ class Soak:
             self.cut: 0.5,
             self.blackhole: 0.3, self.race_idempotency: 0.7, self.bad_input: 1,
             self.poison_input: 0.5, self.notify_flood: 0.3, self.api_session: 0.8,
+            self.kill_listener: 0.3,
         }
         action = self.rng.choices(list(actions), list(actions.values()))[0]
         action()
@@ -351,6 +355,28 @@ class Soak:
             os.kill(self.rng.choice(pids), signal.SIGKILL)
             self.faults["worker_sigkill"] += 1
 
+    def kill_listener(self) -> None:
+        """SIGKILL the host's listener process mid-load: doorbells and cancel notices rung
+        until the supervisor's new one listens are lost, and must cost no more than a poll
+        (the new one tells every worker to claim once) or a heartbeat (cancels)."""
+        if (pid := listener_pid(self.pool.pid)) is not None:
+            os.kill(pid, signal.SIGKILL)
+            self.faults["listener_sigkill"] += 1
+            self._killed_listeners.add(pid)
+
+    def listener_restarted(self) -> bool:
+        """Whether the pool has a listener, none of those this soak killed, within the
+        supervisor's longest restart backoff (30 s: killed again and again, it backs off)."""
+        def restarted() -> bool:
+            pid = listener_pid(self.pool.pid)
+            return pid is not None and pid not in self._killed_listeners
+
+        try:
+            wait_for(restarted, 40, what="a new listener process")
+        except AssertionError:
+            return False
+        return True
+
     def freeze_worker(self) -> None:
         """SIGSTOP past the lease, then SIGCONT: a zombie that must write nothing."""
         if pids := self.workers():
@@ -436,9 +462,13 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None,
                 # Named as the driver's, so the faults spare its connections too.
                 hostile_dsn = make_conninfo(hostile, application_name=DRIVER)
                 soak = Soak(dsn, proxy, pool, rng, hostile_dsn)
+                listener_killed = False
                 try:
                     while _faulting(time.monotonic() - started, minutes * 60,
                                     soak.faults["runs_enqueued"] < min_runs):
+                        if not listener_killed and time.monotonic() - started > minutes * 20:
+                            soak.kill_listener()  # at least once, under load
+                            listener_killed = True
                         soak.tick()
                         time.sleep(rng.uniform(0.1, 0.5))
                 finally:
@@ -446,6 +476,9 @@ def run_soak(settings: Settings, minutes: float, *, seed: int | None = None,
                 drain_timeout = 240 + 60 * minutes
                 drained = _drain(soak.conn, timeout=drain_timeout)
                 soak.check_poison()
+                if not soak.listener_restarted():
+                    soak.problems.append("the pool has no listener process after the soak:"
+                                         " the supervisor did not restart a killed one")
                 soak.conn.close()
         finally:
             proxy.close()
