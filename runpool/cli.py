@@ -55,6 +55,8 @@ _HELP = {
     "listen": "use LISTEN/NOTIFY (--no-listen: poll only)",
     "listen_dsn": "the LISTEN connection's DSN, direct to PostgreSQL: --dsn may then name a"
                   " transaction-mode pooler (work connections keep no session state)",
+    "read_dsn": "a read replica's DSN for status, schedules, runs RUN_ID, explain and the"
+                " console's pages (they may lag behind --dsn by the replica's delay)",
     "host_connections": "most work connections of this host's workers together (default:"
                         " workers x (pool size + 1))",
     "data_dir": "embedded PostgreSQL data directory",
@@ -95,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"runpool {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    db_only = ("dsn", "data_dir", "listen_dsn")
+    db_only = ("dsn", "data_dir", "listen_dsn", "read_dsn")
 
     p = sub.add_parser(
         "worker", aliases=["run"], help="run the worker pool (the default command)",
@@ -281,9 +283,21 @@ def _dispatch(args: argparse.Namespace) -> int:
             migrate(conn)
         check(conn)  # a configured database: say what to run instead of failing obscurely
         try:
+            if settings.read_dsn and _reads_only(args):
+                with connect(settings.read_dsn, autocommit=True,
+                             stateless=settings.stateless) as replica:
+                    check(replica)  # a replica still behind a migration says so
+                    return run_command(replica, args, dsn, primary=conn)
             return run_command(conn, args, dsn)
         except psycopg.Error as exc:
             raise translate_error(exc) from exc
+
+
+def _reads_only(args: argparse.Namespace) -> bool:
+    """Whether the command only reads what a replica may serve a little late (never `wait`
+    or `runs --follow`: NOTIFY does not reach a replica)."""
+    return args.command in ("status", "schedules", "explain") or (
+        args.command == "runs" and not args.follow)
 
 
 def _run(settings: Settings) -> int:
@@ -321,7 +335,7 @@ def _ui(settings: Settings, host: str, port: int) -> int:
 
         with connect(dsn, autocommit=True) as conn:
             migrate(conn)
-    app = loopback_only(create_app(dsn), host)
+    app = loopback_only(create_app(dsn, read_dsn=settings.read_dsn), host)
     print(f"runpool: console on http://{host}:{port}/", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     return 0

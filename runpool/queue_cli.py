@@ -37,8 +37,11 @@ def _parse_run_id(text: str) -> uuid.UUID:
         raise InvalidInput(f"not a run id (a UUID): {text!r}") from None
 
 
-def run_command(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: str) -> int:
-    """Run the database command `args.command` on `conn`; its exit code."""
+def run_command(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: str, *,
+                primary: psycopg.Connection[Any] | None = None) -> int:
+    """Run the database command `args.command` on `conn`; its exit code. `conn` is a read
+    replica's connection for the read-only commands when RUNPOOL_READ_DSN is set, and
+    `primary` then the primary's."""
     if args.command == "enqueue":
         from .enqueue import enqueue
 
@@ -106,7 +109,7 @@ def run_command(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: st
         print(json.dumps(doc) if args.json else render_history(doc))
         return 0
     if args.command == "status":
-        return _status(conn, args)
+        return _status(conn, args, primary or conn)
     if args.command == "schedules":
         from .status import render_schedules, schedules
 
@@ -116,17 +119,19 @@ def run_command(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: st
     raise AssertionError(args.command)
 
 
-def _status(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+def _status(conn: psycopg.Connection[Any], args: argparse.Namespace,
+            primary: psycopg.Connection[Any]) -> int:
     from .status import collect, render
 
     if args.watch is None:
-        report = collect(conn, window_seconds=args.window, xmin_warn_seconds=args.xmin_warn)
+        report = collect(conn, window_seconds=args.window, xmin_warn_seconds=args.xmin_warn,
+                         primary=primary)
         print(json.dumps(report) if args.json else render(report))
         return 0
     try:
         while True:
             screen = render(collect(conn, window_seconds=args.window,
-                                    xmin_warn_seconds=args.xmin_warn))
+                                    xmin_warn_seconds=args.xmin_warn, primary=primary))
             # Home the cursor and clear: the view refreshes in place.
             print("\x1b[H\x1b[2J" + screen, flush=True)
             time.sleep(max(args.watch, 0.2))

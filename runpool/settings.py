@@ -59,6 +59,10 @@ class Settings:
     # transaction mode (PgBouncer): work connections then keep no session state (no session SET,
     # no prepared statements). None: LISTEN on `dsn`, whose sessions are runpool's own.
     listen_dsn: str | None = None
+    # A read replica's DSN (a streaming standby) for what only reads and may lag: `status`,
+    # `schedules`, `runs RUN_ID`, `explain` and the console's pages. Writes, `wait`, `follow`
+    # and the run API stay on `dsn`. None: everything on `dsn`. Workers never read it.
+    read_dsn: str | None = None
     # The most work connections (claims, outcomes, checkpoints, heartbeats) of all the worker
     # processes of one host together, shared evenly; None: each takes `connections` + 1.
     host_connections: int | None = None
@@ -108,6 +112,8 @@ class Settings:
                                f" got {self.schedule_catchup_max}")
         if self.listen_dsn is not None:
             _check_dsn("listen_dsn", self.listen_dsn)
+        if self.read_dsn is not None:
+            _check_dsn("read_dsn", self.read_dsn)
         if self.host_connections is not None and not (
                 3 * self.workers <= self.host_connections <= 10_000):
             raise InvalidInput(

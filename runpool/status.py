@@ -79,6 +79,14 @@ FROM pg_stat_activity
 WHERE datname = current_database() AND application_name LIKE 'runpool-%%@%%'
 GROUP BY 1 ORDER BY 1
 """
+# Whether `status` read a replica (a standby in recovery: NULL lag on a plain server), and how
+# old the last transaction it replayed is: its lag while the primary commits; on a primary
+# that commits nothing it grows without anything being missed.
+REPLICA: Final = """
+SELECT pg_is_in_recovery() AS in_recovery,
+       extract(epoch FROM clock_timestamp() - pg_last_xact_replay_timestamp())::float8
+           AS replayed_s_ago
+"""
 # Serial keys with the longest line of waiting runs.
 SERIAL_BACKLOG: Final = """
 SELECT tenant, serial_key, count(*) AS waiting FROM runpool.runs WHERE held
@@ -123,9 +131,13 @@ def _rows(conn: psycopg.Connection[Any], query: Any, params: dict[str, Any] | No
 
 
 def collect(conn: psycopg.Connection[Any], *, window_seconds: float = 3600,
-            limit: int = 20, xmin_warn_seconds: float = health.XMIN_WARN_SECONDS
-            ) -> dict[str, Any]:
-    """Everything `status` shows, as one JSON-ready document."""
+            limit: int = 20, xmin_warn_seconds: float = health.XMIN_WARN_SECONDS,
+            primary: psycopg.Connection[Any] | None = None) -> dict[str, Any]:
+    """Everything `status` shows, as one JSON-ready document. With `primary` (and `conn` a
+    read replica's connection), the runs, workers and usage are read on the replica; the
+    connections and health (pg_stat_activity, xmin holders, autovacuum: the primary's own
+    sessions and tables) on the primary, and `replica` says how far the replica lags."""
+    server = primary or conn
     totals = dict.fromkeys(STATUSES, 0)
     tenants: dict[str, dict[str, int]] = {}
     for tenant, status, count in conn.execute(BY_TENANT):
@@ -148,10 +160,11 @@ def collect(conn: psycopg.Connection[Any], *, window_seconds: float = 3600,
         "latency": {"window_s": window_seconds, "finished_runs": latency["runs"],
                     **percentiles},
         "workers": _rows(conn, WORKERS),
-        "connections": _rows(conn, CONNECTIONS),
+        "connections": _rows(server, CONNECTIONS),
         "serial_backlog": _rows(conn, SERIAL_BACKLOG),
         "usage": _usage(conn, window_seconds),
-        "health": health.collect(conn, xmin_warn_seconds=xmin_warn_seconds),
+        "health": health.collect(server, xmin_warn_seconds=xmin_warn_seconds),
+        "replica": _rows(conn, REPLICA)[0] if primary is not None else None,
     }
 
 
@@ -172,6 +185,12 @@ def render(report: dict[str, Any]) -> str:
            + f"  (stuck {report['stuck']})"]
     if "health" in report:
         out += health.render(report["health"])
+    if (replica := report.get("replica")) is not None:
+        lag = replica["replayed_s_ago"]
+        out.append("read from a replica (RUNPOOL_READ_DSN): "
+                   + ("not in recovery (a primary, no lag)" if not replica["in_recovery"] else
+                      f"last replayed transaction {_fmt(lag)} old (its lag while the primary"
+                      " commits)"))
     if report["tenants"]:
         out += ["", f"{'tenant':<24}" + "".join(f"{s:>11}" for s in STATUSES)]
         for tenant, counts in report["tenants"].items():

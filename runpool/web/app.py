@@ -68,7 +68,7 @@ async def _tally_forever(web: Web) -> None:
     """Keep the tally current, whether or not anyone scrapes."""
     while True:
         try:
-            async with web.connection() as conn:
+            async with web.connection(read=True) as conn:
                 read = await web.tally.refresh(conn)
         except Exception as exc:  # the database may be away: try again next round
             logger.warning("reading the event log failed: %r", exc,
@@ -118,27 +118,44 @@ async def _healthz(request: Request) -> Response:
     return PlainTextResponse("ok")
 
 
-def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None) -> Starlette:
+def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None, *,
+               read_dsn: str | None = None) -> Starlette:
     """The run API over HTTP (see DESIGN.md, "HTTP: the run API and the web console").
 
     dsn: the database (default RUNPOOL_DSN, else DATABASE_URL). tenant_of(request) -> str |
     None, sync or async: every route acts for the tenant it returns (another tenant's run is
     a 404, a None answer a 401), and the console and /metrics are not served. Without it the
     app is the operator console over every tenant: serve it to operators only.
+
+    read_dsn: a read replica (default RUNPOOL_READ_DSN, when `dsn` is not given either) for
+    the console's pages and /metrics, which may then lag behind the primary by the replica's
+    delay. The run API (its reads too: a client reads the run it just created), the event
+    streams (LISTEN) and /healthz stay on `dsn`.
     """
+    if dsn is None:
+        read_dsn = read_dsn or os.environ.get("RUNPOOL_READ_DSN") or None
     dsn = dsn or os.environ.get("RUNPOOL_DSN") or os.environ.get("DATABASE_URL")
     if not dsn:
         raise UsageError("create_app needs a dsn (or RUNPOOL_DSN / DATABASE_URL)")
-    web = Web(dsn, tenant_of)
+    web = Web(dsn, tenant_of, read_dsn)
+
+    def new_pool(target: str, name: str) -> AsyncConnectionPool:
+        return AsyncConnectionPool(
+            target, min_size=1, max_size=POOL_SIZE, name=name, open=False,
+            kwargs={**connection_options(target), "application_name": name},
+            configure=_configure, max_idle=300)
 
     async def open_pool() -> AsyncConnectionPool:
-        # Refuse to serve a schema this code does not match, as the pool does.
-        await asyncio.to_thread(_check_schema, dsn)
-        pool = AsyncConnectionPool(
-            dsn, min_size=1, max_size=POOL_SIZE, name="runpool-web", open=False,
-            kwargs={**connection_options(dsn), "application_name": "runpool-web"},
-            configure=_configure, max_idle=300)
+        # Refuse to serve a schema this code does not match, as the pool does (a replica
+        # still behind a migration too).
+        for target in (dsn, read_dsn):
+            if target is not None:
+                await asyncio.to_thread(_check_schema, target)
+        pool = new_pool(dsn, "runpool-web")
         await pool.open(wait=True, timeout=30)
+        if read_dsn is not None:
+            web.read_pool = new_pool(read_dsn, "runpool-web-read")
+            await web.read_pool.open(wait=True, timeout=30)
         if tenant_of is None:
             web.tally_task = asyncio.create_task(_tally_forever(web), name="runpool-web-tally")
         return pool

@@ -98,11 +98,13 @@ def _page(request: Request, template: str, **context: Any) -> Response:
 async def tenants(request: Request) -> Response:
     web = web_of(request)
     after = request.query_params.get("after", "")
-    async with web.connection() as conn:
+    async with web.connection(read=True) as conn:
         rows = await web.rows(conn, "tenants", {"after": after, "limit": PAGE_ROWS,
                                                 "cap": TENANT_CAP, "failed_cap": FAILED_CAP})
         workers = await web.rows(conn, "live_workers", {})
-        # A snapshot held for minutes stops vacuum of the whole queue: said first thing.
+    # A snapshot held for minutes stops vacuum of the whole queue: said first thing. The
+    # primary's sessions pin it (a replica's pg_stat_activity shows only its own).
+    async with web.connection() as conn:
         warnings = await health.xmin_warnings(conn)
     for row in rows:
         row["wait_p95_s"] = web.tally.wait_p95(row["tenant"])
@@ -116,7 +118,7 @@ def _listing(query: str, template: str, key: str) -> Callable[[Request], Awaitab
 
     async def page(request: Request) -> Response:
         web = web_of(request)
-        async with web.connection() as conn:
+        async with web.connection(read=True) as conn:
             rows = await web.rows(conn, query, {"limit": PAGE_ROWS})
         return _page(request, template, limit=PAGE_ROWS, **{key: rows})
 
@@ -142,7 +144,7 @@ async def dead_letters(request: Request) -> Response:
     before_id = parse_run_id(request.query_params.get("before_id") or str(_LAST_ID),
                              "before_id")
     params = {"before": before, "before_id": before_id, "limit": PAGE_ROWS, "tenant": tenant}
-    async with web.connection() as conn:
+    async with web.connection(read=True) as conn:
         rows = await web.rows(conn, "dead_letters_of_tenant" if tenant else "dead_letters",
                               params)
     more = ({"before": rows[-1]["finished_at"].isoformat(), "before_id": str(rows[-1]["id"])}
@@ -154,7 +156,9 @@ async def run_page(request: Request) -> Response:
     web = web_of(request)
     run_id = parse_run_id(request.path_params["id"])
     params = {"id": run_id, "tenant": None, "limit": RUN_ROWS}
-    async with web.connection() as conn, conn.transaction():
+    # Its live stream (events.py) then follows on the primary from the seq read here: a
+    # lagging replica only means the stream replays a little more.
+    async with web.connection(read=True) as conn, conn.transaction():
         await conn.execute(web.sql["snapshot"])
         found = await web.rows(conn, "run", params)
         if not found:

@@ -118,7 +118,7 @@ class _Families(Collector):
 
 
 async def snapshot(web: Web) -> Snapshot:
-    async with web.connection() as conn:
+    async with web.connection(read=True) as conn:
         # Bounded (tally.READ_LIMIT events); the background task keeps the rest small.
         await web.tally.refresh(conn)
         cur = await conn.execute(web.sql["live_workers"])

@@ -43,9 +43,13 @@ class Web:
 
     dsn: str
     tenant_of: TenantOf | None
+    # A read replica for the console's pages and /metrics (RUNPOOL_READ_DSN); None: `dsn`.
+    read_dsn: str | None = None
     sql: dict[str, LiteralString] = field(default_factory=lambda: SQL)
     tally: Tally = field(default_factory=Tally)
     pool: AsyncConnectionPool | None = None
+    # The replica's pool, opened with `pool` when read_dsn is set.
+    read_pool: AsyncConnectionPool | None = None
     # Open event streams per tenant (None: the operator), for their caps.
     streams: dict[str | None, int] = field(default_factory=dict)
     # The cap on all of them (events.py), read from the server at the first stream.
@@ -57,8 +61,13 @@ class Web:
     tally_task: asyncio.Task[None] | None = None
 
     @asynccontextmanager
-    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async def connection(self, *, read: bool = False
+                         ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A connection to the primary; with `read`, to the read replica if there is one
+        (for what only reads and may lag: never before a write, nor to read one's own)."""
         pool = self.pool or await self._open_late()
+        if read and self.read_pool is not None:
+            pool = self.read_pool
         try:
             async with pool.connection(timeout=CHECKOUT_SECONDS) as conn:
                 yield conn
@@ -79,6 +88,9 @@ class Web:
             self.tally_task.cancel()
             await asyncio.gather(self.tally_task, return_exceptions=True)
             self.tally_task = None
+        if self.read_pool is not None:
+            await self.read_pool.close()
+            self.read_pool = None
         if self.pool is not None:
             await self.pool.close()
             self.pool = None
