@@ -160,10 +160,14 @@ WITH RECURSIVE every_handler AS (
 SELECT handler FROM every_handler;
 
 -- name: lock_tenants
--- Lock, in tenant order (so claimers never deadlock), the tenants the claim may take from: of
--- those with runs that can start now (of a handler this pool serves) and that look under
--- quota, the %(limit)s whose best run ranks best (only they can supply the %(limit)s best
--- runs). The count here may be stale; claim_runs recounts under the lock.
+-- The tenants the claim may take from: of those with runs that can start now (of a handler
+-- this pool serves) and that look under quota, the %(limit)s whose best run ranks best (only
+-- they can supply the %(limit)s best runs). Only those with a quota are locked (in tenant
+-- order, so claimers never deadlock): the lock is what makes claim_runs' recount of a quota
+-- exact. A tenant without one needs no count, and no lock: concurrent claimers take its runs
+-- side by side (claim_runs skips the rows another claimer holds), where a lock would queue
+-- them all behind one claim's commit (W16: 14 of 16 claimers waiting on one tenant's row).
+-- The count here may be stale; claim_runs recounts under the lock.
 WITH RECURSIVE served AS (
     -- A loose index scan per served handler: one probe per tenant with ready runs of it,
     -- giving its best rank. Runs of handlers this pool does not serve are never read.
@@ -184,18 +188,24 @@ heads AS (
     SELECT tenant, min(rank) AS rank FROM served GROUP BY tenant
 ),
 best AS (
-    SELECT h.tenant
+    SELECT h.tenant, q.quota IS NOT NULL AS limited
     FROM heads h
     JOIN runpool.tenant_capacity q ON q.tenant = h.tenant
     WHERE q.quota IS NULL OR q.quota > q.live
     ORDER BY h.rank
     LIMIT %(limit)s
+),
+limited AS (
+    SELECT t.tenant
+    FROM runpool.tenants t
+    WHERE t.tenant IN (SELECT tenant FROM best WHERE limited)
+    ORDER BY t.tenant
+    FOR NO KEY UPDATE OF t
 )
-SELECT t.tenant
-FROM runpool.tenants t
-WHERE t.tenant IN (SELECT tenant FROM best)
-ORDER BY t.tenant
-FOR NO KEY UPDATE OF t;
+SELECT tenant FROM best WHERE NOT limited
+UNION ALL
+SELECT tenant FROM limited
+ORDER BY tenant;
 
 -- name: claim_runs
 -- Claim up to %(limit)s runs of the tenants locked by lock_tenants, best rank first, within
@@ -207,58 +217,75 @@ WITH handlers AS (
     SELECT DISTINCT unnest(%(handlers)s::text[]) AS handler
 ),
 capacity AS (
-    -- Recounted under the tenant locks, in this statement's fresh snapshot: no other claimer
-    -- can add a live lease for these tenants until we commit, so the quota is exact.
-    SELECT q.tenant, q.quota - q.live AS free
+    -- A quota is recounted under its tenant's lock, in this statement's fresh snapshot: no
+    -- other claimer can add a live lease for the tenant until we commit, so it is exact. A
+    -- tenant without a quota is neither locked (see lock_tenants) nor counted.
+    SELECT q.tenant,
+           CASE WHEN q.quota IS NULL THEN %(limit)s
+                ELSE greatest(least(q.quota - q.live, %(limit)s), 0) END AS depth
     FROM runpool.tenant_capacity q
     WHERE q.tenant = ANY(%(tenants)s::text[])
 ),
 candidates AS (
-    -- Only the head of each tenant's queue is read, per handler this pool serves: cost does
-    -- not grow with queue depth, nor with runs of handlers nobody here serves.
-    SELECT head.id
+    -- How many runs the claim wants of each tenant and handler: the best %(limit)s of the
+    -- tenants' heads, within each one's free quota. Only the head of each tenant's queue is
+    -- read, per handler this pool serves: cost does not grow with queue depth, nor with runs
+    -- of handlers nobody here serves.
+    SELECT head.tenant, head.handler
     FROM capacity cap
     CROSS JOIN LATERAL (
-        SELECT one.id, one.rank
+        SELECT one.tenant, one.handler, one.rank
         FROM handlers s
         CROSS JOIN LATERAL (
-            SELECT r.id, r.rank
+            SELECT r.tenant, r.handler, r.rank
             FROM runpool.ready_runs r
             WHERE r.handler = s.handler
               AND r.tenant = cap.tenant
               AND r.available_at <= clock_timestamp()
             ORDER BY r.rank
-            LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)) one
+            LIMIT cap.depth) one
         ORDER BY one.rank
-        LIMIT greatest(least(coalesce(cap.free, %(limit)s), %(limit)s), 0)
+        LIMIT cap.depth
     ) head
     ORDER BY head.rank
     LIMIT %(limit)s
 ),
+wanted AS (
+    SELECT tenant, handler, count(*) AS n FROM candidates GROUP BY tenant, handler
+),
 locked AS (
-    -- A run being cancelled right now is skipped, not waited for. `reclaimed`: the run's
-    -- latest event is the reaper's (its previous attempt's lease expired; a retry after a
-    -- failure or a release is not one): one backward index probe, only for a later attempt.
-    SELECT r.id,
-           CASE WHEN r.attempt > 0 THEN coalesce(
-               (SELECT e.kind FROM runpool.run_events e WHERE e.run_id = r.id
-                ORDER BY e.id DESC LIMIT 1) = 'reclaimed', false)
-                ELSE false END AS reclaimed
-    FROM runpool.runs r
-    -- An id array, not IN (subquery): a generic plan (the worker's) knows no LIMIT, sized
-    -- the candidates in the thousands and read all of runs twice per claim (here and in the
-    -- update below), a cost growing with the table; an array of unknown length is sized at
-    -- ten, and both read runs through its primary key.
-    WHERE r.id = ANY(ARRAY(SELECT id FROM candidates))
-      AND r.status = 'queued'
-      AND NOT r.held
-      -- Past its deadline a run never starts (the deadline sweep ends it).
-      AND (r.deadline IS NULL OR r.deadline > now())
-    FOR UPDATE OF r SKIP LOCKED
+    -- Then that many of each, best rank first, locked as the index scan reaches them: a run
+    -- another claimer holds (a concurrent claim of a tenant without a quota, or a cancel
+    -- right now) is skipped, not waited for, and the next one taken instead; one another
+    -- claimer took since this statement's snapshot fails the recheck of its latest version
+    -- (no longer queued) and is passed over too. So claimers of one tenant take its runs side
+    -- by side, never the same ones, and none comes back short while the queue has more.
+    -- `reclaimed`: the run's latest event is the reaper's (its previous attempt's lease
+    -- expired; a retry after a failure or a release is not one): one backward index probe,
+    -- only for a later attempt.
+    SELECT pick.id, pick.reclaimed
+    FROM wanted w
+    CROSS JOIN LATERAL (
+        SELECT r.id,
+               CASE WHEN r.attempt > 0 THEN coalesce(
+                   (SELECT e.kind FROM runpool.run_events e WHERE e.run_id = r.id
+                    ORDER BY e.id DESC LIMIT 1) = 'reclaimed', false)
+                    ELSE false END AS reclaimed
+        FROM runpool.runs r
+        -- ready_runs' own conditions, spelled out: a view cannot be locked row by row here.
+        WHERE r.status = 'queued' AND NOT r.held AND NOT r.deferred AND NOT r.paused
+          AND r.handler = w.handler
+          AND r.tenant = w.tenant
+          AND r.available_at <= clock_timestamp()
+          -- Past its deadline a run never starts (the deadline sweep ends it).
+          AND (r.deadline IS NULL OR r.deadline > now())
+        ORDER BY r.rank
+        LIMIT w.n
+        FOR UPDATE OF r SKIP LOCKED) pick
 ),
 bumped AS (
     UPDATE runpool.event_seqs s SET seq = s.seq + 1
-    WHERE s.run_id IN (SELECT id FROM locked)
+    WHERE s.run_id = ANY(ARRAY(SELECT id FROM locked))
     RETURNING s.run_id, s.seq
 ),
 claimed AS (
@@ -271,7 +298,10 @@ claimed AS (
         attempt_due = now() + r.attempt_timeout,
         event_seq = coalesce(b.seq, r.event_seq + 1)
     FROM locked LEFT JOIN bumped b ON b.run_id = locked.id
-    WHERE r.id = locked.id
+    -- The ids as an array too: a plan cannot tell how few rows `locked` holds (its LIMITs
+    -- are per tenant, from the data; a generic plan knows none), and must still read runs
+    -- through its primary key, never a sequential scan.
+    WHERE r.id = ANY(ARRAY(SELECT id FROM locked)) AND r.id = locked.id
     RETURNING r.id, r.tenant, r.handler, r.attempt,
               runpool.attempts_used(r.attempt, r.attempt_offset) AS attempts_used,
               r.max_attempts,

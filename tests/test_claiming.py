@@ -181,3 +181,39 @@ def test_claim__without_promote_a_due_run_waits_for_a_claim_that_promotes(
             return [r.id for r in skipped], [r.id for r in promoted]
 
     assert asyncio.run(main()) == ([], [due])
+
+
+def _claim_in(conn: psycopg.Connection, limit: int) -> list[uuid.UUID]:
+    """lock_tenants then claim_runs in the caller's open transaction (not committed)."""
+    params = {"handlers": ["noop"], "limit": limit}
+    tenants = [t for (t,) in conn.execute(QUERIES["lock_tenants"], params)]
+    rows = conn.execute(QUERIES["claim_runs"], {
+        **params, "tenants": tenants, "worker_id": uuid.uuid4(), "lease_seconds": 30})
+    return [r[0] for r in rows]
+
+
+def test_claim__claimers_of_a_tenant_without_quota_take_runs_side_by_side_not_in_turn(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Only a quota needs its tenant's lock (W16's herd: every claimer queued on one tenant
+    row). A claim still open holds its runs: a second claimer of a tenant without a quota
+    takes the next ones at once, never the same; of a tenant with one it waits its turn."""
+    runpool.enqueue_many(conn, [runpool.RunSpec("free", "noop") for _ in range(20)])
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second:
+        second.execute("SET lock_timeout = '2s'")
+        held = _claim_in(first, 5)
+        assert len(held) == 5
+        taken = _claim_in(second, 5)
+        assert len(taken) == 5 and not set(taken) & set(held)
+        second.commit()
+        first.commit()
+        conn.execute("SELECT runpool.set_tenant_quota('free', 100)")
+        held = _claim_in(first, 5)
+        assert len(held) == 5
+        try:
+            _claim_in(second, 5)
+            raise AssertionError("a claimer of a tenant with a quota did not wait for its lock")
+        except psycopg.errors.LockNotAvailable:
+            second.rollback()
+        first.commit()
+        assert len(_claim_in(second, 5)) == 5
+        second.commit()
