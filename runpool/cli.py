@@ -197,6 +197,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="address to bind (default 127.0.0.1) [RUNPOOL_UI_HOST]")
     p.add_argument("--port", type=int, default=int(os.environ.get("RUNPOOL_UI_PORT", "8080")),
                    help="port (default 8080) [RUNPOOL_UI_PORT]")
+    p.add_argument("--header-timeout", type=float, metavar="SECONDS",
+                   default=os.environ.get("RUNPOOL_UI_HEADER_TIMEOUT"),
+                   help="drop a connection that has not sent a request's head in this time"
+                        " (default 10) [RUNPOOL_UI_HEADER_TIMEOUT]")
+    p.add_argument("--max-connections", type=int,
+                   default=os.environ.get("RUNPOOL_UI_MAX_CONNECTIONS"),
+                   help="connections held at once; one more is answered 503 (default 500)"
+                        " [RUNPOOL_UI_MAX_CONNECTIONS]")
 
     p = sub.add_parser("demo", help="run the sample agent app on a pool and watch it")
     _add_settings_flags(p, db_only)
@@ -266,7 +274,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_bench(settings, args.workload, repeat=args.repeat)
     if args.command == "ui":
-        return _ui(settings, args.host, args.port)
+        return _ui(settings, args.host, args.port, header_timeout=args.header_timeout,
+                   max_connections=args.max_connections)
     dsn = resolve_dsn(settings, announce=False)
     # wait and runs --follow LISTEN: behind a pooler they take the direct DSN.
     listens = args.command == "wait" or (args.command == "runs" and args.follow)
@@ -319,15 +328,25 @@ def _run(settings: Settings) -> int:
     return Supervisor(settings, dsn, app).run()
 
 
-def _ui(settings: Settings, host: str, port: int) -> int:
+def _ui(settings: Settings, host: str, port: int, *, header_timeout: float | None,
+        max_connections: int | None) -> int:
     try:
         import uvicorn
 
         from .web import create_app
         from .web.hosts import loopback_only
+        from .web.serve import HEADER_TIMEOUT, MAX_CONNECTIONS, guarded_protocol, server_config
     except ImportError as exc:
         print(f"runpool: the web console needs its extra: pip install 'runpool[web]' ({exc})",
               file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        # Checked before the database is touched: a bad bound is the operator's to fix.
+        protocol = guarded_protocol(
+            HEADER_TIMEOUT if header_timeout is None else header_timeout,
+            MAX_CONNECTIONS if max_connections is None else max_connections)
+    except ValueError as exc:
+        print(f"runpool: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     dsn = resolve_dsn(settings)
     if not settings.dsn:
@@ -335,9 +354,11 @@ def _ui(settings: Settings, host: str, port: int) -> int:
 
         with connect(dsn, autocommit=True) as conn:
             migrate(conn)
-    app = loopback_only(create_app(dsn, read_dsn=settings.read_dsn), host)
+    config = server_config(loopback_only(create_app(dsn, read_dsn=settings.read_dsn), host),
+                           protocol, host=host, port=port, log_level="warning",
+                           access_log=False)
     print(f"runpool: console on http://{host}:{port}/", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.Server(config).run()
     return 0
 
 

@@ -10,20 +10,24 @@ from typing import Any
 
 import uvicorn
 
+from runpool.web.serve import HEADER_TIMEOUT, MAX_CONNECTIONS, guarded_protocol, server_config
 from tests.helpers import wait_for
 
 __all__ = ["serving"]
 
 
 @contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """Serve app with uvicorn until the block exits; yields its base URL."""
+def serving(app: Any, *, header_timeout: float = HEADER_TIMEOUT,
+            max_connections: int = MAX_CONNECTIONS) -> Iterator[str]:
+    """Serve app with uvicorn as `python -m runpool ui` does (runpool.web.serve) until the block
+    exits; yields its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(server_config(app, guarded_protocol(header_timeout, max_connections),
+                                          log_level="warning", lifespan="on",
+                                          timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
