@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 import statistics
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Final
 
 import psycopg
 
-from ..testing.pools import wait_for
+from ..testing.pools import PoolProcess, running_pool, wait_for
 
-__all__ = ["CLEAR_SNAPSHOT", "COUNT_DONE", "DRAIN_RATE", "LIVE_WORKERS", "XACTS", "cpu_seconds",
-           "median_of",
-           "percentile", "wait_until"]
+__all__ = ["BENCH_APP", "CLEAR_SNAPSHOT", "COUNT_DONE", "DRAIN_RATE", "LIVE_WORKERS", "XACTS",
+           "bench_pool", "cpu_seconds", "median_of", "percentile", "wait_until"]
+
+BENCH_APP: Final = "runpool.harness.benchapp:app"
 
 # Server-wide transaction counter of one database (read from another database, so the
 # reading itself is not counted).
@@ -26,6 +28,11 @@ FROM runpool.runs WHERE status = 'succeeded'
 """
 COUNT_DONE: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'succeeded'"
 LIVE_WORKERS: Final = "SELECT count(*) FROM runpool.workers WHERE stopped_at IS NULL"
+
+
+def bench_pool(dsn: str, **settings: Any) -> AbstractContextManager[PoolProcess]:
+    """A pool serving the bench handlers, drained at the end."""
+    return running_pool(dsn, BENCH_APP, stop="drain", output="discard", **settings)
 
 
 def wait_until(conn: psycopg.Connection[Any], query: Any, target: int, timeout: float) -> None:

@@ -1,14 +1,13 @@
 """The benchmark workloads (W1-W18, Wcommits; W14 is wait_bench's, W1p, W16 and Wcommits
-host_workloads', W17 ops_workloads', W11 agent_workloads'); `python -m runpool bench` runs them."""
+host_workloads', W17 ops_workloads', W11 agent_workloads', W18 schedule_workloads');
+`python -m runpool bench` runs them."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any, Final
 
 import psycopg
@@ -17,7 +16,6 @@ from psycopg.conninfo import conninfo_to_dict
 from ..db import connect
 from ..enqueue import RunSpec, enqueue, enqueue_many
 from ..testing.databases import scratch_database
-from ..testing.pools import PoolProcess, running_pool
 from .agent_workloads import w11_agent_load
 from .host_workloads import w1p_pooler, w16_many_claimers, wcommits
 from .live_workloads import w12_follow_latency, w13_progress_cost
@@ -27,20 +25,14 @@ from .measure import (
     DRAIN_RATE,
     LIVE_WORKERS,
     XACTS,
+    bench_pool,
     percentile,
     wait_until,
 )
 from .ops_workloads import w17_purge
+from .schedule_workloads import w18_schedule_lateness, w18_schedule_storm
 
 __all__ = ["WORKLOADS"]
-
-BENCH_APP: Final = "runpool.harness.benchapp:app"
-
-
-def _pool(dsn: str, **settings: Any) -> AbstractContextManager[PoolProcess]:
-    """A pool serving the bench handlers, drained at the end."""
-    return running_pool(dsn, BENCH_APP, stop="drain", output="discard", **settings)
-
 
 def _drain(conn: psycopg.Connection[Any], dsn: str, specs: list[RunSpec], *, workers: int = 2
            ) -> tuple[float, float]:
@@ -52,7 +44,7 @@ def _drain(conn: psycopg.Connection[Any], dsn: str, specs: list[RunSpec], *, wor
     conn.commit()
     enqueue_rate = len(specs) / (time.perf_counter() - started)
     conn.autocommit = True
-    with _pool(dsn, workers=workers, concurrency=10):
+    with bench_pool(dsn, workers=workers, concurrency=10):
         wait_until(conn, COUNT_DONE, len(specs), timeout=900)
     row = conn.execute(DRAIN_RATE).fetchone()
     assert row is not None
@@ -103,7 +95,7 @@ def w10_serial_keys(server: str, *, keys: int = 1000, per_key: int = 20) -> dict
 def w2_latency(server: str, *, runs: int = 300, gap: float = 0.02) -> dict[str, Any]:
     """W2: idle pool; runs enqueued one at a time; enqueue commit -> handler start."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        with _pool(dsn, workers=2, concurrency=10):
+        with bench_pool(dsn, workers=2, concurrency=10):
             wait_until(conn, LIVE_WORKERS, 2, timeout=60)
             warm = enqueue(conn, "bench", "stamp")
             wait_until(conn, COUNT_DONE, 1, timeout=60)
@@ -131,7 +123,7 @@ def w3_idle(server: str, *, seconds: float = 60.0) -> dict[str, Any]:
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn, \
             connect(server, autocommit=True) as stats:
         name = conninfo_to_dict(dsn)["dbname"]
-        with _pool(dsn, workers=2):
+        with bench_pool(dsn, workers=2):
             wait_until(conn, LIVE_WORKERS, 2, timeout=60)
             conn.close()
             time.sleep(12)  # past startup, and past the stats collector's idle flush delay
@@ -150,7 +142,7 @@ def w3_idle(server: str, *, seconds: float = 60.0) -> dict[str, Any]:
 def _w5_waits(server: str, burst: list[RunSpec], watch: set[str]) -> dict[str, float]:
     """p95 wait (enqueue -> start) per watched tenant, for one burst on a fresh pool."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        with _pool(dsn, workers=2, concurrency=10, tenant_quota=5):
+        with bench_pool(dsn, workers=2, concurrency=10, tenant_quota=5):
             wait_until(conn, LIVE_WORKERS, 2, timeout=60)
             enqueue_many(conn, burst)
             wait_until(conn, COUNT_DONE, len(burst), timeout=600)
@@ -271,7 +263,7 @@ def w7_checkpoint_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
     """W7: one run making `calls` no-op tool calls; checkpoint overhead per call."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
         run_id = enqueue(conn, "bench", "tool_loop", {"calls": calls})
-        with _pool(dsn, workers=1, concurrency=1):
+        with bench_pool(dsn, workers=1, concurrency=1):
             wait_until(conn, COUNT_DONE, 1, timeout=600)
         row = conn.execute("SELECT result FROM runpool.runs WHERE id = %s", (run_id,)).fetchone()
     assert row is not None
@@ -296,7 +288,7 @@ def w8_resume_cost(server: str, *, calls: int = 1000) -> dict[str, Any]:
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
         small = enqueue(conn, "bench", "tool_loop", {"calls": 10})
         big = enqueue(conn, "bench", "tool_loop", {"calls": calls, "crash": True})
-        with _pool(dsn, workers=1, concurrency=2,
+        with bench_pool(dsn, workers=1, concurrency=2,
                           lease_seconds=2):
             wait_until(conn, COUNT_DONE, 2, timeout=600)
         row = conn.execute(
@@ -322,7 +314,7 @@ def _cancel_latencies(server: str, *, rounds: int, per_round: int, **settings: A
                       ) -> list[float]:
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
         latencies: list[float] = []
-        with _pool(dsn, workers=2, concurrency=per_round // 2,
+        with bench_pool(dsn, workers=2, concurrency=per_round // 2,
                           **settings):
             wait_until(conn, LIVE_WORKERS, 2, timeout=60)
             for r in range(rounds):
@@ -352,46 +344,6 @@ def w9_cancel_latency(server: str) -> dict[str, Any]:
             "no_listen_heartbeat_s": 10.0}
 
 
-# Pin every bench schedule's next plan a few whole seconds ahead, spread over 4 seconds.
-PIN_SCHEDULES: Final = """
-UPDATE runpool.schedules SET
-    next_fire_at = date_trunc('second', now()) + (2 + mod(substr(name, 5)::int, 4)) * interval '1 s'
-WHERE left(name, 4) = 'w18-'
-"""
-SCHEDULED_RUNS: Final = "SELECT count(*) FROM runpool.runs WHERE idempotency_key LIKE 'schedule:%'"
-# Fire lateness: the run's creation (the firing transaction's start) minus its plan time.
-LATENESS: Final = """
-SELECT extract(epoch FROM created_at - (input ->> 'scheduled_at')::timestamptz)::float8
-FROM runpool.runs WHERE idempotency_key LIKE 'schedule:%'
-"""
-
-
-def w18_schedule_lateness(server: str, *, schedules: int = 20, rounds: int = 5
-                          ) -> dict[str, Any]:
-    """W18: fire lateness (run created - plan time) of 20 schedules whose plans are pinned
-    2-5 s ahead, 5 rounds, three pools of 1 worker racing for every plan (plus any real
-    minute boundary that passes meanwhile)."""
-    with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
-        for i in range(schedules):
-            conn.execute("SELECT runpool.set_schedule(%s, '* * * * *', 'bench', 'noop',"
-                         " catch_up => 'skip')", (f"w18-{i}",))
-        with contextlib.ExitStack() as pools:
-            for _ in range(3):
-                pools.enter_context(_pool(dsn, workers=1))
-            wait_until(conn, LIVE_WORKERS, 3, timeout=60)
-            for r in range(rounds):
-                conn.execute(PIN_SCHEDULES)
-                wait_until(conn, SCHEDULED_RUNS, schedules * (r + 1), timeout=60)
-                time.sleep(0.5)
-        late = [float(v) for (v,) in conn.execute(LATENESS)]
-        duplicates = conn.execute(
-            "SELECT count(*) - count(DISTINCT idempotency_key) FROM runpool.runs").fetchone()
-    assert duplicates is not None
-    return {"workload": "W18", "plans": len(late), "p50_ms": round(percentile(late, 50) * 1000, 2),
-            "p99_ms": round(percentile(late, 99) * 1000, 2), "max_ms": round(max(late) * 1000, 2),
-            "duplicates": int(duplicates[0])}
-
-
 def w15_rate_limit(server: str, *, seconds: float = 30.0, per_minute: float = 600.0,
                    burst: float = 10.0, window: float = 10.0) -> dict[str, Any]:
     """W15: 4 workers acquiring one shared key of `per_minute` (burst `burst`) for `seconds`:
@@ -405,7 +357,7 @@ def w15_rate_limit(server: str, *, seconds: float = 30.0, per_minute: float = 60
                                                      "probes": 250, "seconds": seconds})
                  for i in range(4)]
         enqueue_many(conn, specs)
-        with _pool(dsn, workers=4, concurrency=1):
+        with bench_pool(dsn, workers=4, concurrency=1):
             wait_until(conn, COUNT_DONE, len(specs), timeout=seconds + 120)
         results = [r for (r,) in conn.execute("SELECT result FROM runpool.runs")]
         workers = scalar_count(conn, "SELECT count(DISTINCT worker_id) FROM runpool.runs")
@@ -462,4 +414,5 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "Wcommits": wcommits,
     "W17": w17_purge,
     "W18": w18_schedule_lateness,
+    "W18x1000": w18_schedule_storm,
 }
