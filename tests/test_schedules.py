@@ -25,7 +25,7 @@ import runpool
 from runpool.app import load_app
 from runpool.db import aconnect
 from runpool.errors import AppNotFound, InvalidInput
-from runpool.scheduler import Tick, fire_due
+from runpool.firing import BATCH, Tick, fire_due
 from runpool.schedules import ON_TIME_SECONDS, Schedule, due_plans, next_plan, plan_key, upcoming
 from tests.helpers import running_pool, scalar, until, wait_for
 from tests.test_cli import cli
@@ -463,12 +463,81 @@ def test_fire__a_burst_beyond_one_batch_says_there_is_more(
         conn: psycopg.Connection, dsn: str) -> None:
     conn.execute("INSERT INTO runpool.schedules (name, cron, tenant, handler, next_fire_at)"
                  " SELECT 'b' || i, '@hourly', 'acme', 'tick', '2026-11-30T10:00:00Z'"
-                 " FROM generate_series(1, 150) i")
+                 " FROM generate_series(1, %s) i", (BATCH + BATCH // 2,))
     first = fire(dsn, utc("2026-11-30T10:00:00Z"))
     second = fire(dsn, utc("2026-11-30T10:00:00Z"))
-    assert (len(first.fired), first.more) == (100, True)
-    assert (len(second.fired), second.more) == (50, False)
-    assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 150
+    assert (len(first.fired), first.more) == (BATCH, True)
+    assert (len(second.fired), second.more) == (BATCH // 2, False)
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs") == BATCH + BATCH // 2
+
+
+class CountingCursor(psycopg.AsyncCursor[Any]):
+    """Counts the statements a connection sends (every execute goes through a cursor)."""
+
+    sent = 0
+
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        CountingCursor.sent += 1
+        return await super().execute(*args, **kwargs)
+
+
+def test_fire__a_storm_is_a_handful_of_statements_not_some_per_schedule(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """300 schedules of 30 tenants due in the same minute (one with a serial key, one catching
+    up two plans): one firing sends the same few statements as for one schedule (it sent
+    three per schedule, ~3 s for 1,000 of them), and each plan is one run as enqueue makes it."""
+    # Inserted, not set_schedule'd: its zone check reads pg_timezone_names (~0.2 s a call).
+    conn.execute("INSERT INTO runpool.schedules (name, cron, tenant, handler, input, priority,"
+                 " serial_key, catch_up)"
+                 " SELECT 's' || i, '* * * * *', 't' || i % 30, 'tick', jsonb_build_object('n', i),"
+                 " i % 7, CASE WHEN i = 7 THEN 'k' END, 'all' FROM generate_series(1, 300) i")
+    fire(dsn, utc("2026-11-30T09:59:30Z"))  # planned: 10:00 for all
+    pin(conn, "s9", utc("2026-11-30T09:59:00Z"))
+    now = utc("2026-11-30T10:00:01Z")
+
+    async def main() -> Tick:
+        async with await aconnect(dsn, autocommit=True) as c:
+            c.cursor_factory = CountingCursor
+            return await fire_due(c, catch_up_max=100, now=now)
+
+    CountingCursor.sent = 0
+    tick = asyncio.run(main())
+    assert CountingCursor.sent <= 10, CountingCursor.sent
+    assert len(tick.fired) == 300 and tick.fired["s9"] == [utc("2026-11-30T09:59:00Z"),
+                                                          utc("2026-11-30T10:00:00Z")]
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 301
+    assert scalar(conn, "SELECT count(*) FROM runpool.schedules WHERE next_fire_at ="
+                        " '2026-11-30T10:01:00Z' AND last_fire_at = '2026-11-30T10:00:00Z'") == 300
+    run = conn.execute("SELECT tenant, handler, input, priority, serial_key, status"
+                       " FROM runpool.runs WHERE idempotency_key = %s",
+                       (plan_key("s7", utc("2026-11-30T10:00:00Z")),)).fetchone()
+    assert run == ("t7", "tick", {"n": 7, "scheduled_at": "2026-11-30T10:00:00Z"}, 0, "k",
+                   "queued")
+    # Fired again (a replay): no second run for any plan.
+    conn.execute("UPDATE runpool.schedules SET next_fire_at = '2026-11-30T10:00:00Z'")
+    assert len(fire(dsn, now).fired) == 300
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 301
+
+
+def test_fire__one_schedule_the_enqueue_refuses_holds_back_only_itself_in_a_batch(
+        conn: psycopg.Connection, dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    conn.execute("INSERT INTO runpool.schedules (name, cron, tenant, handler)"
+                 " SELECT 's' || i, '* * * * *', 'acme', 'tick' FROM generate_series(1, 40) i")
+    conn.execute("SELECT runpool.set_schedule('big', '* * * * *', 'acme', 'tick',"
+                 " jsonb_build_object('pad', repeat('x', 500)))")
+    now = utc("2026-11-30T10:00:30Z")
+    fire(dsn, now)
+    conn.execute("UPDATE runpool.config SET max_input_bytes = 100")
+    caplog.set_level(logging.INFO, "runpool")
+    tick = fire(dsn, now + MINUTE)
+    assert len(tick.fired) == 40 and "big" not in tick.fired
+    assert "over the limit" in row(conn, "big")["error"] and keys(conn, "big") == []
+    actions = [getattr(r, "action", None) for r in caplog.records]
+    assert actions.count("schedule_batch_split") == 1, actions
+    # Set aside: the next firing is one batch again.
+    caplog.clear()
+    assert len(fire(dsn, now + 2 * MINUTE).fired) == 40
+    assert "schedule_batch_split" not in [getattr(r, "action", None) for r in caplog.records]
 
 
 def test_fire__racing_connections_fire_every_plan_exactly_once(
