@@ -5,8 +5,12 @@ at once; the deadline ends with the head, so a long event stream outlives it."""
 
 from __future__ import annotations
 
+import os
 import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -14,8 +18,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from runpool.exits import EXIT_CONFIG
 from runpool.web import create_app
-from tests.helpers import scalar, wait_for
+from tests.helpers import ROOT, pool_env, scalar, wait_for
 from tests.webserver import serving
 
 HEADER_TIMEOUT = 1.0
@@ -149,3 +154,38 @@ def test_web_limits__an_event_stream_outlives_the_head_deadline(dsn: str, conn) 
         while (left := until - time.monotonic()) > 0:
             readable, _, _ = select.select([sock], [], [], left)
             assert not readable or sock.recv(65536) != b"", "the stream was closed"
+
+
+def test_cli_ui__takes_both_bounds_from_flags_and_refuses_bad_ones(dsn: str) -> None:
+    with socket.socket() as probe:  # a free port (the server binds it a moment later)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    bad = subprocess.run([sys.executable, "-m", "runpool", "ui", "--max-connections", "0"],
+                         env=pool_env(dsn), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == EXIT_CONFIG and "max_connections" in bad.stderr, bad.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "runpool", "ui", "--port", str(port),
+                             "--header-timeout", "1", "--max-connections", "3"],
+                            env=pool_env(dsn), cwd=ROOT, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).text == "ok"
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, timeout=30, what="python -m runpool ui to serve")
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        try:
+            opened = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
+                assert extra.recv(4096).startswith(b"HTTP/1.1 503")
+            for sock in silent:
+                assert sock.recv(4096) == b""
+            assert time.monotonic() - opened <= 1.0 + SLACK
+        finally:
+            for sock in silent:
+                sock.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
