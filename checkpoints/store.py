@@ -44,9 +44,22 @@ WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
 # (Static text joined to each statement below; nothing in it is dynamic.)
 FENCE: Final = """
 WITH fence AS (
-    SELECT id FROM runpool.runs
+    SELECT id, event_seq FROM runpool.runs
     WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
     FOR SHARE
+)"""
+# The write's event seqs, after the fence (0018): the run's counter row advanced by
+# %(events)s (made at the run's first write, from the run row's seq) and the run's doorbell
+# rung, in the write's own statement. Under the fence's lock no status change comes in
+# between, and a run's writes are one at a time (its attempt's), so seqs follow commit order.
+# A write refused after the fence (a repeat, a call id reused) leaves a gap: seqs only ever
+# increase.
+EVENT: Final = """,
+event AS (
+    INSERT INTO runpool.event_seqs AS s (run_id, seq)
+    SELECT fence.id, fence.event_seq + %(events)s FROM fence
+    ON CONFLICT ON CONSTRAINT event_seqs_pkey DO UPDATE SET seq = s.seq + %(events)s
+    RETURNING s.seq, runpool._ring(s.run_id)
 )"""
 # One page of a run's conversation: the messages after seq `after`, oldest first.
 LOAD_MESSAGES: Final = """
@@ -63,22 +76,25 @@ ORDER BY call_id LIMIT %(limit)s
 # buffer, large enough that a typical history (W8: 1,000 calls) is one or two round trips.
 PAGE: Final = 2_000
 # Append one message at the next sequence number, if the attempt holds the run.
-INSERT_MESSAGE: Final = FENCE + """
-INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id)
+INSERT_MESSAGE: Final = FENCE + EVENT + """
+INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id, event_seq)
 SELECT fence.id,
        coalesce((SELECT max(seq) FROM runpool.messages WHERE run_id = %(run_id)s), 0) + 1,
-       %(role)s, %(content)s, %(attempt)s, NULL
-FROM fence
+       %(role)s, %(content)s, %(attempt)s, NULL, event.seq
+FROM fence, event
 RETURNING seq
 """
 # Record that a tool is about to run (the same call, interrupted in an EARLIER attempt, is taken
 # over), if the attempt holds the run; nothing for a call finished, started by this attempt, or
 # recorded with another tool name or other arguments.
-INSERT_INTENT: Final = FENCE + """
-INSERT INTO runpool.tool_calls AS t (run_id, call_id, name, arguments, status, attempt)
-SELECT fence.id, %(call_id)s, %(name)s, %(arguments)s, 'started', %(attempt)s FROM fence
+INSERT_INTENT: Final = FENCE + EVENT + """
+INSERT INTO runpool.tool_calls AS t (run_id, call_id, name, arguments, status, attempt,
+                                     started_seq)
+SELECT fence.id, %(call_id)s, %(name)s, %(arguments)s, 'started', %(attempt)s, event.seq
+FROM fence, event
 ON CONFLICT (run_id, call_id) DO UPDATE
-    SET attempt = excluded.attempt, started_at = now(), executions = t.executions + 1
+    SET attempt = excluded.attempt, started_at = now(), executions = t.executions + 1,
+        started_seq = excluded.started_seq, finished_seq = NULL
     WHERE t.status = 'started' AND t.attempt < excluded.attempt
       AND t.name = excluded.name AND t.arguments = excluded.arguments
 RETURNING executions
@@ -110,18 +126,20 @@ WHERE run_id = %(run_id)s AND call_id = %(call_id)s AND attempt = %(attempt)s
   AND status = 'unknown'
 """
 # Commit a started call's outcome and its tool message together, if the attempt holds the run;
-# a call is finished once (a committed call is never overwritten).
-FINISH_CALL: Final = FENCE + """,
+# a call is finished once (a committed call is never overwritten). Two events: the call's close
+# (seq - 1) and its message (seq).
+FINISH_CALL: Final = FENCE + EVENT + """,
 finished AS (
-    UPDATE runpool.tool_calls SET status = %(status)s, result = %(result)s, finished_at = now()
+    UPDATE runpool.tool_calls SET status = %(status)s, result = %(result)s, finished_at = now(),
+        finished_seq = (SELECT seq - 1 FROM event)
     WHERE run_id = (SELECT id FROM fence) AND call_id = %(call_id)s AND status = 'started'
     RETURNING run_id
 )
-INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id)
+INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id, event_seq)
 SELECT finished.run_id,
        coalesce((SELECT max(seq) FROM runpool.messages WHERE run_id = %(run_id)s), 0) + 1,
-       %(role)s, %(content)s, %(attempt)s, %(call_id)s
-FROM finished
+       %(role)s, %(content)s, %(attempt)s, %(call_id)s, event.seq
+FROM finished, event
 RETURNING seq
 """
 # Close an interrupted call whose outcome is unknown (no message: the agent decides what to
@@ -213,7 +231,7 @@ async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, 
                          role: str, content: Any) -> int:
     """Append a message (content: a psycopg Jsonb or any adaptable value); returns its seq."""
     return await _write(conn, INSERT_MESSAGE, {
-        "run_id": run_id, "attempt": attempt, "role": role, "content": content},
+        "run_id": run_id, "attempt": attempt, "role": role, "content": content, "events": 1},
         "no message written")
 
 
@@ -223,7 +241,7 @@ async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UU
     Raises CallMismatch if the call id was recorded for another tool or other arguments, and
     LookupError if the call was already finished."""
     params = {"run_id": run_id, "attempt": attempt, "call_id": call_id, "name": name,
-              "arguments": arguments}
+              "arguments": arguments, "events": 1}
     cur = await conn.execute(INSERT_INTENT, params)
     row = await cur.fetchone()
     if row is not None:
@@ -246,7 +264,7 @@ async def commit_tool_result(conn: psycopg.AsyncConnection[Any], run_id: uuid.UU
     return await _write(conn, FINISH_CALL, {
         "run_id": run_id, "attempt": attempt, "call_id": call_id, "status": status,
         "result": result, "role": message_role, "content": message_content,
-        "statuses": ["succeeded", "failed"]},
+        "statuses": ["succeeded", "failed"], "events": 2},
         f"tool call {call_id!r} of run {run_id} is not in progress", CALL_MESSAGE)
 
 

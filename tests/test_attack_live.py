@@ -193,7 +193,7 @@ def test_cancel_run_in_repeatable_read__a_checkpoint_write_in_flight_does_not_fa
         _running(conn, run_id)
         with connect(dsn) as worker, connect(dsn) as caller:
             # The worker's very statement (fence and insert), its transaction not yet committed.
-            worker.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1,
+            worker.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1, "events": 1,
                                             "role": "assistant", "content": '"hi"'})
             caller.isolation_level = level
             caller_pid = caller.info.backend_pid
@@ -242,8 +242,8 @@ def test_web_run_row__reports_the_last_event_seq_of_a_run_that_wrote_checkpoints
         run_id = enqueue(conn, "acme", "noop")
         _running(conn, run_id)
         for i in (1, 2, 3):
-            conn.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1, "role": "assistant",
-                                          "content": str(i)})
+            conn.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1, "events": 1,
+                                          "role": "assistant", "content": str(i)})
         (row,) = conn.execute(SQL["run"], {"id": run_id, "tenant": None}).fetchall()
     last = max(seq for seq, _ in asyncio.run(_kinds(dsn, run_id)))
     assert last == 5
@@ -272,11 +272,11 @@ def test_doorbell__goes_quiet_past_the_notification_queue_bound_and_writes_still
                 worker.execute("SELECT set_config('runpool.notify_queue_limit',"
                                " pg_notification_queue_usage()::text, false)")
                 for i in (1, 2):
-                    worker.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1,
+                    worker.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1, "events": 1,
                                                     "role": "assistant", "content": str(i)})
                 assert list(listener.notifies(timeout=0.5)) == []  # silent, yet committed
                 worker.execute("RESET runpool.notify_queue_limit")
-                worker.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1,
+                worker.execute(INSERT_MESSAGE, {"run_id": run_id, "attempt": 1, "events": 1,
                                                 "role": "assistant", "content": "3"})
                 got = list(listener.notifies(timeout=5, stop_after=1))
                 assert [n.channel for n in got] == [live.channel(run_id)]
