@@ -16,8 +16,9 @@ attempt" is a fact the repeat can read back.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Final
 
 import psycopg
@@ -26,13 +27,17 @@ from psycopg.rows import class_row
 from .models import CallMismatch, Message, ToolCall, lease_lost
 
 __all__ = [
+    "Statement",
     "append_message",
     "commit_tool_result",
     "find_message",
+    "intent_write",
     "load",
     "load_paged",
     "mark_tool_unknown",
+    "message_write",
     "record_tool_intent",
+    "result_write",
 ]
 
 # Does this attempt still hold the run? (Only asked to explain a write that wrote nothing.)
@@ -202,18 +207,35 @@ async def load_paged(connection: Callable[[], AbstractAsyncContextManager[
     return messages, {c.call_id: c for c in calls}
 
 
-async def _write(conn: psycopg.AsyncConnection[Any], query: str, params: dict[str, Any],
-                 refused: str, done: str | None = None) -> int:
-    """Run one fenced write; its single returned value, or (when nothing was written) what
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """A fenced write as its one statement and what makes the write's answer of the row the
+    statement returned (reading back, or explaining, a write that wrote nothing): so a caller
+    can send many writes at once (a pipeline) and read their answers after."""
+
+    query: str
+    params: dict[str, Any]
+    answer: Callable[[psycopg.AsyncConnection[Any], Any], Awaitable[int]]
+
+    async def run(self, conn: psycopg.AsyncConnection[Any]) -> int:
+        """The write on its own: the statement, then its answer."""
+        cur = await conn.execute(self.query, self.params)
+        return await self.answer(conn, await cur.fetchone())
+
+
+def _written(params: dict[str, Any], refused: str, done: str | None = None
+             ) -> Callable[[psycopg.AsyncConnection[Any], Any], Awaitable[int]]:
+    """A fenced write's answer: its single returned value, or (when nothing was written) what
     `done` reads back of this attempt's own earlier write, or why nothing was written."""
-    cur = await conn.execute(query, params)
-    row = await cur.fetchone()
-    if row is None and done is not None:
-        cur = await conn.execute(done, params)
-        row = await cur.fetchone()
-    if row is None:
-        raise await _nothing_written(conn, params["run_id"], params["attempt"], refused)
-    return int(row[0])
+    async def answer(conn: psycopg.AsyncConnection[Any], row: Any) -> int:
+        if row is None and done is not None:
+            cur = await conn.execute(done, params)
+            row = await cur.fetchone()
+        if row is None:
+            raise await _nothing_written(conn, params["run_id"], params["attempt"], refused)
+        return int(row[0])
+
+    return answer
 
 
 async def find_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
@@ -227,12 +249,31 @@ async def find_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, at
     return None if row is None else int(row[0])
 
 
+def message_write(run_id: uuid.UUID, attempt: int, role: str, content: Any) -> Statement:
+    """append_message() as a Statement."""
+    params = {"run_id": run_id, "attempt": attempt, "role": role, "content": content,
+              "events": 1}
+    return Statement(INSERT_MESSAGE, params, _written(params, "no message written"))
+
+
 async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
                          role: str, content: Any) -> int:
     """Append a message (content: a psycopg Jsonb or any adaptable value); returns its seq."""
-    return await _write(conn, INSERT_MESSAGE, {
-        "run_id": run_id, "attempt": attempt, "role": role, "content": content, "events": 1},
-        "no message written")
+    return await message_write(run_id, attempt, role, content).run(conn)
+
+
+def intent_write(run_id: uuid.UUID, attempt: int, call_id: str, name: str, arguments: Any
+                 ) -> Statement:
+    """record_tool_intent() as a Statement."""
+    params = {"run_id": run_id, "attempt": attempt, "call_id": call_id, "name": name,
+              "arguments": arguments, "events": 1}
+
+    async def answer(conn: psycopg.AsyncConnection[Any], row: Any) -> int:
+        if row is not None:
+            return int(row[0])
+        return await _intent_refused(conn, params)
+
+    return Statement(INSERT_INTENT, params, answer)
 
 
 async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
@@ -240,12 +281,13 @@ async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UU
     """Record that a tool call is starting; returns how many times it has been started.
     Raises CallMismatch if the call id was recorded for another tool or other arguments, and
     LookupError if the call was already finished."""
-    params = {"run_id": run_id, "attempt": attempt, "call_id": call_id, "name": name,
-              "arguments": arguments, "events": 1}
-    cur = await conn.execute(INSERT_INTENT, params)
-    row = await cur.fetchone()
-    if row is not None:
-        return int(row[0])
+    return await intent_write(run_id, attempt, call_id, name, arguments).run(conn)
+
+
+async def _intent_refused(conn: psycopg.AsyncConnection[Any], params: dict[str, Any]) -> int:
+    """An intent that wrote nothing: this attempt's own, committed by an earlier try (its
+    executions), or why not."""
+    run_id, attempt, call_id = params["run_id"], params["attempt"], params["call_id"]
     cur = await conn.execute(CALL_STATE, params)
     state = await cur.fetchone()
     if state is not None and not state[3]:
@@ -256,21 +298,30 @@ async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UU
                                  f"tool call {call_id!r} of run {run_id} is already finished")
 
 
+def result_write(run_id: uuid.UUID, attempt: int, call_id: str, *, status: str, result: Any,
+                 message_role: str, message_content: Any) -> Statement:
+    """commit_tool_result() as a Statement."""
+    params = {"run_id": run_id, "attempt": attempt, "call_id": call_id, "status": status,
+              "result": result, "role": message_role, "content": message_content,
+              "statuses": ["succeeded", "failed"], "events": 2}
+    return Statement(FINISH_CALL, params, _written(
+        params, f"tool call {call_id!r} of run {run_id} is not in progress", CALL_MESSAGE))
+
+
 async def commit_tool_result(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                              attempt: int, call_id: str, *, status: str, result: Any,
                              message_role: str, message_content: Any) -> int:
     """Commit a tool's outcome (the checkpoint) and its tool message atomically; returns the
     message's seq (also when this attempt had already committed it)."""
-    return await _write(conn, FINISH_CALL, {
-        "run_id": run_id, "attempt": attempt, "call_id": call_id, "status": status,
-        "result": result, "role": message_role, "content": message_content,
-        "statuses": ["succeeded", "failed"], "events": 2},
-        f"tool call {call_id!r} of run {run_id} is not in progress", CALL_MESSAGE)
+    return await result_write(run_id, attempt, call_id, status=status, result=result,
+                              message_role=message_role,
+                              message_content=message_content).run(conn)
 
 
 async def mark_tool_unknown(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                             attempt: int, call_id: str, result: Any) -> None:
     """Close an interrupted call whose tool may not be retried: its outcome is unknown."""
-    await _write(conn, MARK_UNKNOWN, {
-        "run_id": run_id, "attempt": attempt, "call_id": call_id, "result": result},
-        f"tool call {call_id!r} of run {run_id} is not in progress", MARKED_UNKNOWN)
+    params = {"run_id": run_id, "attempt": attempt, "call_id": call_id, "result": result}
+    await Statement(MARK_UNKNOWN, params, _written(
+        params, f"tool call {call_id!r} of run {run_id} is not in progress", MARKED_UNKNOWN)
+    ).run(conn)

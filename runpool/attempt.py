@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from checkpoints import Message, ToolCall
+from checkpoints import Message, Statement, ToolCall
 
 from . import costs
 from .commits import CommitGroup
@@ -121,14 +121,17 @@ class Attempt:
 
     # -- the fenced write ------------------------------------------------------------------
 
-    async def _db(self, pool: AsyncConnectionPool, what: str, op: Op[T]) -> T:
+    async def _db(self, pool: AsyncConnectionPool, what: str, op: Op[T],
+                  statement: Statement | None = None) -> T:
         """A checkpoint write (each is safe to repeat, see checkpoints.store), on another
         connection if its first one broke: a finished tool's result is never thrown away
-        because the pool handed out a connection the server had closed."""
+        because the pool handed out a connection the server had closed. `statement`: the
+        write's first try as one statement, which group commit sends with others at once."""
         try:
             if self._commits is not None:
                 return await self._commits.write(  # type: ignore[no-any-return]
-                    op, self._write_timeout, what=what, log={"run_id": str(self.id)})
+                    op, self._write_timeout, what=what, log={"run_id": str(self.id)},
+                    statement=statement)
             return await retrying(pool, self._write_timeout, op, what=what,
                                   log={"run_id": str(self.id)})
         except LeaseLost:

@@ -44,14 +44,15 @@ class Run(ToolCalls, WaitMethods):
         data = self._encode(content, "message content")
         pool = self._writable()
 
+        first = checkpoints.message_write(self.id, self.attempt, role, jsonb(data))
+
         async def append(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
             if tries:  # the earlier try may have committed before its connection broke
                 seq = await checkpoints.find_message(
                     conn, self.id, self.attempt, after, role, jsonb(data))
                 if seq is not None:
                     return seq
-            return await checkpoints.append_message(
-                conn, self.id, self.attempt, role, jsonb(data))
+            return await first.run(conn)
 
         turn = role == TURN_ROLE
         async with self._write_lock:
@@ -60,7 +61,7 @@ class Run(ToolCalls, WaitMethods):
                 # other messages (a wrap-up note, say) are always accepted.
                 self._meter.check(self._call_count(), more_turns=1)
             after = self._messages[-1].seq if self._messages else 0
-            seq = await self._db(pool, "message write", append)
+            seq = await self._db(pool, "message write", append, first)
             if turn:
                 self._meter.turned()
         # The committed JSON value, the same as a resumed attempt will read.

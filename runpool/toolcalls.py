@@ -129,9 +129,10 @@ class ToolCalls(Attempt):
                 raise ToolOutcomeUnknown(call_id)
             async with self._write_lock:
                 # Committed before the tool runs: a crash from here on leaves the evidence.
-                await self._db(pool, "tool intent write", lambda conn, _: (
-                    checkpoints.record_tool_intent(
-                        conn, self.id, self.attempt, call_id, name, jsonb(args))))
+                intent = checkpoints.intent_write(self.id, self.attempt, call_id, name,
+                                                  jsonb(args))
+                await self._db(pool, "tool intent write", lambda conn, _: intent.run(conn),
+                               intent)
         except CallMismatch as exc:
             raise InvalidInput(str(exc)) from None
         self._remember(call_id, name, committed_args, "started", None)
@@ -160,14 +161,14 @@ class ToolCalls(Attempt):
     async def _commit(self, pool: AsyncConnectionPool, call_id: str, name: str,
                       arguments: Any, status: str, data: bytes) -> Any:
         """Commit a finished call's outcome with its tool message; its committed JSON value."""
+        commit = checkpoints.result_write(self.id, self.attempt, call_id, status=status,
+                                          result=jsonb(data), message_role="tool",
+                                          message_content=jsonb(data))
         async with self._write_lock:
             while True:
                 try:
-                    seq = await self._db(pool, "tool result commit", lambda conn, _: (
-                        checkpoints.commit_tool_result(
-                            conn, self.id, self.attempt, call_id, status=status,
-                            result=jsonb(data), message_role="tool",
-                            message_content=jsonb(data))))
+                    seq = await self._db(pool, "tool result commit",
+                                         lambda conn, _: commit.run(conn), commit)
                     break
                 except Exception as exc:
                     # The tool has run: its result is worth waiting for (an outage longer

@@ -4,6 +4,8 @@ commit, a refused or failing write fails alone, a broken connection repeats ever
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -135,3 +137,64 @@ def test_commit_group__a_write_alone_commits_alone(dsn: str) -> None:
             await pool.close()
 
     assert asyncio.run(main()) == (5, 5, [0, 1, 2, 3, 4])
+
+
+@dataclass(frozen=True)
+class _Statement:
+    query: str
+    params: dict[str, Any]
+    answer: Callable[[psycopg.AsyncConnection[Any], Any], Awaitable[Any]]
+
+
+def _statement(x: int) -> tuple[Any, _Statement]:
+    """A write of x as an op and as a statement: x 30 fails in the database (after the
+    statements before it in its pipeline ran), x 40 writes nothing and is refused, as a
+    fenced write of a lost lease is."""
+    query = ("INSERT INTO written SELECT %(x)s / (%(x)s - 30) * 0 + %(x)s, 0"
+             " WHERE %(x)s <> 40 ON CONFLICT (x) DO NOTHING RETURNING x")
+
+    async def answer(conn: psycopg.AsyncConnection[Any], row: Any) -> int:
+        if x == 40:
+            raise LeaseLost("this attempt lost its lease")
+        return x if row is None else int(row[0])
+
+    statement = _Statement(query, {"x": x}, answer)
+
+    async def op(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        cur = await conn.execute(query, {"x": x})
+        return int(await answer(conn, await cur.fetchone()))
+
+    return op, statement
+
+
+def test_commit_group__statements_go_in_one_pipeline_and_a_failing_one_still_fails_alone(
+        dsn: str) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute(TABLE)
+
+    async def main(xs: range) -> tuple[list[Any], int, int]:
+        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="test-commits")
+        try:
+            group = CommitGroup(pool)
+            writes = [_statement(x) for x in xs]
+            # Bounded: a write the group lost would never be answered.
+            out = await asyncio.wait_for(asyncio.gather(
+                *(group.write(op, 10, what="test", statement=s) for op, s in writes),
+                return_exceptions=True), 60)
+            return out, group.pipelined, group.commits
+        finally:
+            await pool.close()
+
+    out, pipelined, commits = asyncio.run(main(range(80)))
+    assert isinstance(out[30], psycopg.errors.DivisionByZero)
+    assert isinstance(out[40], LeaseLost)
+    assert [x for x in range(80) if out[x] != x] == [30, 40]
+    with connect(dsn, autocommit=True) as conn:
+        rows = [x for (x,) in conn.execute("SELECT x FROM written ORDER BY x")]
+    assert rows == [x for x in range(80) if x not in (30, 40)]
+    # Without a failing statement: the first MAX_INFLIGHT writes go alone at once, the others
+    # wait and go in batches, each batch one pipeline.
+    out, pipelined, commits = asyncio.run(main(range(100, 180)))
+    assert out == list(range(100, 180))
+    assert pipelined == 80 - MAX_INFLIGHT
+    assert commits < 80
