@@ -26,6 +26,7 @@ from .measure import (
     LIVE_WORKERS,
     XACTS,
     bench_pool,
+    cpu_seconds,
     percentile,
     wait_until,
 )
@@ -35,20 +36,22 @@ from .schedule_workloads import w18_schedule_lateness, w18_schedule_storm
 __all__ = ["WORKLOADS"]
 
 def _drain(conn: psycopg.Connection[Any], dsn: str, specs: list[RunSpec], *, workers: int = 2
-           ) -> tuple[float, float]:
+           ) -> tuple[float, float, float]:
     """Enqueue `specs` in bulk (chunks of 2,000, one transaction), then drain them with
-    `workers` workers x 10; returns (enqueue runs/s, drain runs/s by the database's clock)."""
+    `workers` workers x 10; returns (enqueue runs/s, drain runs/s by the database's clock,
+    the workers' CPU seconds from their start to the drain's end)."""
     started = time.perf_counter()
     for chunk in range(0, len(specs), 2000):
         enqueue_many(conn, specs[chunk:chunk + 2000])
     conn.commit()
     enqueue_rate = len(specs) / (time.perf_counter() - started)
     conn.autocommit = True
-    with bench_pool(dsn, workers=workers, concurrency=10):
+    with bench_pool(dsn, workers=workers, concurrency=10) as pool:
         wait_until(conn, COUNT_DONE, len(specs), timeout=900)
+        cpu = cpu_seconds(pool.workers())
     row = conn.execute(DRAIN_RATE).fetchone()
     assert row is not None
-    return enqueue_rate, float(row[0])
+    return enqueue_rate, float(row[0]), cpu
 
 
 def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False, workers: int = 2
@@ -60,12 +63,14 @@ def w1_throughput(server: str, *, runs: int = 20_000, quotas: bool = False, work
             for t in range(tenants):
                 conn.execute("SELECT runpool.set_tenant_quota(%s, 5)", (f"tenant{t}",))
             conn.commit()
-        enqueue_rate, drain_rate = _drain(conn, dsn, [
+        enqueue_rate, drain_rate, cpu = _drain(conn, dsn, [
             RunSpec(f"tenant{i % tenants}", "noop", priority=(i % 7) - 3 if quotas else 0)
             for i in range(runs)], workers=workers)
         name = "W1q" if quotas else "W1" if workers == 2 else f"W1w{workers}"
         return {"workload": name, "runs": runs, "workers": workers,
-                "runs_per_s": round(drain_rate, 1), "enqueue_per_s": round(enqueue_rate, 1)}
+                "runs_per_s": round(drain_rate, 1), "enqueue_per_s": round(enqueue_rate, 1),
+                # Startup included (the same for every size): a ceiling, compared across sizes.
+                "worker_cpu_us_per_run": round(cpu / runs * 1e6, 1)}
 
 
 # Runs of a key that started before an earlier-enqueued run of the same key.
@@ -82,7 +87,7 @@ def w10_serial_keys(server: str, *, keys: int = 1000, per_key: int = 20) -> dict
     """W10: `keys` serial keys x `per_key` no-op runs, drained by 2 workers x 10."""
     runs = keys * per_key
     with scratch_database(server) as dsn, connect(dsn) as conn:
-        enqueue_rate, drain_rate = _drain(conn, dsn, [
+        enqueue_rate, drain_rate, _ = _drain(conn, dsn, [
             RunSpec("tenant0", "noop", serial_key=f"conversation-{k}")
             for _ in range(per_key) for k in range(keys)])
         violations = conn.execute(ORDER_VIOLATIONS).fetchone()
