@@ -183,6 +183,36 @@ def test_store__a_fenced_attempt_writes_nothing(conn: psycopg.Connection, dsn: s
         ("started", None)]
 
 
+def test_store__a_write_numbers_its_events_once_and_a_row_written_without_gets_its_own(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # 0018: the worker's statements take their event seqs themselves; the triggers number only
+    # rows written without one (an operator's INSERT, resolve_tool_call, older code).
+    run_id = _running(conn)  # its 'running' is event 2
+
+    async def main() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            await checkpoints.record_tool_intent(c, run_id, 1, "c0", "t", Jsonb({}))  # 3
+            await checkpoints.commit_tool_result(  # 4: the call's close, 5: its message
+                c, run_id, 1, "c0", status="succeeded", result=Jsonb(1),
+                message_role="tool", message_content=Jsonb(1))
+            await c.execute("INSERT INTO runpool.messages (run_id, seq, role, content, attempt)"
+                            " VALUES (%s, 2, 'note', '\"by hand\"', 1)", (run_id,))  # 6
+            await checkpoints.append_message(c, run_id, 1, "assistant", Jsonb("hi"))  # 7
+            await checkpoints.record_tool_intent(c, run_id, 1, "c1", "t", Jsonb({}))  # 8
+
+    asyncio.run(main())
+    assert conn.execute("SELECT seq, event_seq FROM runpool.messages ORDER BY seq"
+                        ).fetchall() == [(1, 5), (2, 6), (3, 7)]
+    assert conn.execute("SELECT call_id, started_seq, finished_seq FROM runpool.tool_calls"
+                        " ORDER BY call_id").fetchall() == [("c0", 3, 4), ("c1", 8, None)]
+    assert scalar(conn, "SELECT seq FROM runpool.event_seqs WHERE run_id = %s", run_id) == 8
+    # A status change after them takes the next one.
+    conn.execute("UPDATE runpool.runs SET status = 'succeeded', finished_at = now(),"
+                 " lease_expires_at = NULL"
+                 " WHERE id = %s", (run_id,))
+    assert scalar(conn, "SELECT seq FROM runpool.event_seqs WHERE run_id = %s", run_id) == 9
+
+
 def test_store__result_message_and_checkpoint_commit_together(conn: psycopg.Connection,
                                                               dsn: str) -> None:
     run_id = _running(conn)
