@@ -32,6 +32,7 @@ from .measure import (
 )
 from .ops_workloads import w17_purge
 from .schedule_workloads import w18_schedule_lateness, w18_schedule_storm
+from .turn_cost import w11_turn_cost
 
 __all__ = ["WORKLOADS"]
 
@@ -410,6 +411,7 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W11": w11_agent_load,
     "W11x500": lambda server: {**w11_agent_load(server, slots=500), "workload": "W11x500"},
     "W11x2000": lambda server: {**w11_agent_load(server, slots=2000), "workload": "W11x2000"},
+    "W11cpu": w11_turn_cost,
     "W12": w12_follow_latency,
     "W13": w13_progress_cost,
     "W15": w15_rate_limit,
