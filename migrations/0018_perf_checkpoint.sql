@@ -18,20 +18,18 @@
 -- Ring a run's doorbell (the rule of 0009, unchanged: not while the notification queue is over
 -- runpool.notify_queue_limit, default half full), now a plain SQL expression the planner
 -- inlines into the statement that calls it: no function call per write. It needs no rights of
--- its owner (pg_notify needs none), so it is no longer SECURITY DEFINER; every name in it is
--- qualified, so the caller's search_path changes nothing.
+-- its owner (pg_notify needs none), so it is no longer SECURITY DEFINER; its SQL-standard body
+-- binds every name when it is created, so no caller's search_path is ever consulted for it.
 CREATE OR REPLACE FUNCTION runpool._ring(run_id uuid) RETURNS void
 LANGUAGE sql
-AS $$
-SELECT CASE
+RETURN CASE
     WHEN pg_catalog.pg_notification_queue_usage() OPERATOR(pg_catalog.<) coalesce(
         nullif(pg_catalog.current_setting('runpool.notify_queue_limit', true),
                           '')::float8, 0.5)
     THEN pg_catalog.pg_notify(
         'runpool_run_' OPERATOR(pg_catalog.||)
             pg_catalog.replace(_ring.run_id::text, '-', ''), '')
-END
-$$;
+END;
 
 -- A message's seq from its statement, or else from the trigger (a row inserted without one);
 -- resolve_tool_call's rewrite of a message's content still takes a new one.
