@@ -331,6 +331,8 @@ def test_tenant_with_a_newline__cannot_forge_a_log_line(
     run_id = runpool.enqueue(conn, f"evil\n{forged}", "fails")
     with running_pool(dsn, workers=1) as pool:
         wait_for(lambda: _terminal(conn, run_id), what="the run ended")
+        # The worker logs the run's end after committing it: on a loaded machine, later.
+        wait_for(lambda: 'tenant="evil' in pool.log(), what="the failed run's log line")
         log = pool.log()
     assert not any(line.startswith("2026-01-01") for line in log.splitlines()), log[-2000:]
     # The tenant is still there, quoted: "evil\n2026-...".
