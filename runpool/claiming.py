@@ -126,7 +126,8 @@ async def claim_statements(
     else:
         names = list(handlers)
     cur = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
-    tenants = [t for (t,) in await cur.fetchall()]
+    chosen = await cur.fetchall()
+    tenants = [t for (t, _) in chosen]
     if probe is not None and on_schedules is not None:
         seen = await probe.fetchone()
         if seen is not None:
@@ -137,7 +138,8 @@ async def claim_statements(
     claimed = conn.cursor(row_factory=dict_row)
     claimed.adapters.register_loader("jsonb", _JsonText)
     await claimed.execute(QUERIES["claim_runs"], {
-        "tenants": tenants, "limit": limit, "worker_id": worker_id,
+        "tenants": tenants, "limited": [t for (t, limited) in chosen if limited],
+        "limit": limit, "worker_id": worker_id,
         "lease_seconds": lease_seconds, "handlers": names})
     return claimed
 

@@ -167,7 +167,8 @@ SELECT handler FROM every_handler;
 -- exact. A tenant without one needs no count, and no lock: concurrent claimers take its runs
 -- side by side (claim_runs skips the rows another claimer holds), where a lock would queue
 -- them all behind one claim's commit (W16: 14 of 16 claimers waiting on one tenant's row).
--- The count here may be stale; claim_runs recounts under the lock.
+-- The count here may be stale; claim_runs recounts under the lock. Each tenant comes with
+-- whether it was locked: claim_runs takes nothing of one that got a quota since (see there).
 WITH RECURSIVE served AS (
     -- A loose index scan per served handler: one probe per tenant with ready runs of it,
     -- giving its best rank. Runs of handlers this pool does not serve are never read.
@@ -202,14 +203,14 @@ limited AS (
     ORDER BY t.tenant
     FOR NO KEY UPDATE OF t
 )
-SELECT tenant FROM best WHERE NOT limited
+SELECT tenant, false AS limited FROM best WHERE NOT limited
 UNION ALL
-SELECT tenant FROM limited
+SELECT tenant, true FROM limited
 ORDER BY tenant;
 
 -- name: claim_runs
--- Claim up to %(limit)s runs of the tenants locked by lock_tenants, best rank first, within
--- each tenant's free quota. Takes a lease in database time and increments the fencing token.
+-- Claim up to %(limit)s runs of the tenants chosen by lock_tenants (%(limited)s: those it
+-- locked), best rank first, within each tenant's free quota. Takes a lease in database time and increments the fencing token.
 -- The status change's live event is its run_events row, with the run's next seq: taken here,
 -- in the same row update (so 0009's trigger, which would number and store it again, stands
 -- aside: 0017), or from the run's counter row once it wrote a checkpoint (kept equal).
@@ -219,9 +220,13 @@ WITH handlers AS (
 capacity AS (
     -- A quota is recounted under its tenant's lock, in this statement's fresh snapshot: no
     -- other claimer can add a live lease for the tenant until we commit, so it is exact. A
-    -- tenant without a quota is neither locked (see lock_tenants) nor counted.
+    -- tenant without a quota is neither locked (see lock_tenants) nor counted. One that got a
+    -- quota (its own or the default) after lock_tenants chose it unlocked gets nothing now:
+    -- a count without the lock is not exact (two such claimers would each see the other's
+    -- claim uncommitted and both take the last free slot); the next claim locks it.
     SELECT q.tenant,
            CASE WHEN q.quota IS NULL THEN %(limit)s
+                WHEN q.tenant <> ALL(%(limited)s::text[]) THEN 0
                 ELSE greatest(least(q.quota - q.live, %(limit)s), 0) END AS depth
     FROM runpool.tenant_capacity q
     WHERE q.tenant = ANY(%(tenants)s::text[])

@@ -123,7 +123,8 @@ def _claim_plans(conn: psycopg.Connection, depth: int) -> list[dict[str, Any]]:
     conn.execute("ANALYZE runpool.runs")
     conn.execute("SET jit = off")
     plans = []
-    claim_params = {"tenants": ["flood", *tenants], "limit": 10, "worker_id": uuid.uuid4(),
+    claim_params = {"tenants": ["flood", *tenants], "limited": ["flood"], "limit": 10,
+                    "worker_id": uuid.uuid4(),
                     "lease_seconds": 30, "handlers": ["noop"]}
     lock_params = {"handlers": ["noop"], "limit": 10}
     for query, params in ((QUERIES["lock_tenants"], lock_params),

@@ -249,11 +249,13 @@ def _claim_blocks(conn: psycopg.Connection,
             QUERIES["lock_tenants"])
         plan = scalar(conn, stmt, {"handlers": handlers, "limit": 10})[0]["Plan"]
         blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
-        locked = [t for (t,) in conn.execute(QUERIES["lock_tenants"],
-                                              {"handlers": handlers, "limit": 10})]
+        chosen = conn.execute(QUERIES["lock_tenants"],
+                              {"handlers": handlers, "limit": 10}).fetchall()
+        locked = [t for (t, _) in chosen]
         stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
             QUERIES["claim_runs"])
         plan = scalar(conn, stmt, {"tenants": locked, "limit": 10, "handlers": handlers,
+                                   "limited": [t for (t, limited) in chosen if limited],
                                    "worker_id": uuid.uuid4(), "lease_seconds": 30})[0]["Plan"]
         blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
         raise psycopg.Rollback()  # EXPLAIN ANALYZE really claims: undo it
