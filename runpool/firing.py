@@ -5,8 +5,9 @@ The due rows are locked FOR NO KEY UPDATE SKIP LOCKED (another pool has the othe
 plan's run is enqueued with the idempotency key schedule:<name>:<plan time> in one
 runpool.enqueue_many call, and every next_fire_at advances in one UPDATE: a handful of
 statements whether 1 or BATCH schedules are due (a savepoint and three statements per schedule
-made the last of 1,000 plans due in one minute fire ~3 s late). A batch the database refuses
-(one schedule's input over a lowered limit, a serial key a session holds) is fired again one
+made the last of 1,000 plans due in one minute fire ~3 s late). A schedule whose serial key a
+session holds is tried, not waited for, and left due. A batch the database refuses (one
+schedule's input over a lowered limit, a lock held past 200 ms) is fired again one
 schedule at a time, each in a savepoint, so only the refused schedule is held back. Two pools
 can never fire one plan: the row lock and the advance serialise them, and the key makes even a
 replayed plan (an operator moving next_fire_at back) one run.
@@ -58,12 +59,20 @@ FOR NO KEY UPDATE SKIP LOCKED
 """
 # Due schedules, oldest plan first; rows another pool holds are skipped (it fires them).
 LOCK_DUE: Final = """
-SELECT name, cron, timezone, tenant, handler, catch_up, next_fire_at
+SELECT name, cron, timezone, tenant, handler, catch_up, next_fire_at, serial_key
 FROM runpool.schedules
 WHERE enabled AND error IS NULL AND next_fire_at <= %(now)s
 ORDER BY next_fire_at
 LIMIT %(limit)s
 FOR NO KEY UPDATE SKIP LOCKED
+"""
+# Of these schedules (each with a serial key), those whose key another session holds (an
+# enqueue left open): not waited for. The keys free now are taken here for the rest of the
+# transaction (advisory locks are reentrant: the batch's enqueue takes them again at once).
+BUSY_SERIAL_KEYS: Final = """
+SELECT s.name FROM runpool.schedules s
+WHERE s.name = ANY(%(names)s::text[])
+  AND NOT pg_try_advisory_xact_lock(runpool.serial_key_lock(s.tenant, s.serial_key))
 """
 # Set schedules' next plan times (NULL with an error: it stays out of firing, and says why).
 PLAN: Final = """
@@ -229,12 +238,13 @@ async def _fire(conn: psycopg.AsyncConnection[Any], rows: list[dict[str, Any]],
             firing.parents.append(parent)
         firings.append(firing)
     try:
+        ready = await _without_busy_keys(conn, firings, log)
         try:
             async with conn.transaction():  # a savepoint: a refused batch is fired one by one
                 await conn.execute(SET_LOCK_TIMEOUT, {"timeout": BATCH_LOCK_TIMEOUT})
-                await _fire_together(conn, firings, stopped)
-            fired = {f.name: f.due.fire for f in firings if f.due.fire}
-            advanced = firings
+                await _fire_together(conn, ready, stopped)
+            fired = {f.name: f.due.fire for f in ready if f.due.fire}
+            advanced = ready
         except psycopg.Error as exc:
             if transient(exc):
                 raise
@@ -243,7 +253,7 @@ async def _fire(conn: psycopg.AsyncConnection[Any], rows: list[dict[str, Any]],
             if stopped:
                 await _advance(conn, [], stopped)
             fired, advanced = {}, []
-            for firing in firings:
+            for firing in ready:
                 if await _fire_one(conn, firing, log):
                     advanced.append(firing)
                     if firing.due.fire:
@@ -261,6 +271,23 @@ async def _fire(conn: psycopg.AsyncConnection[Any], rows: list[dict[str, Any]],
             logger.debug("schedule %s fired plan %s", firing.name, plan,
                          extra={"action": "schedule_fired", "schedule": firing.name, **log})
     return fired
+
+
+async def _without_busy_keys(conn: psycopg.AsyncConnection[Any], firings: list[_Firing],
+                             log: dict[str, str]) -> list[_Firing]:
+    """The firings to enqueue now: those whose serial key a session holds are held back, due,
+    for a later firing. Found by a try of each key, not by a lock wait: the batch (or, split,
+    the savepoints before its commit) would wait for it, and every other tenant's plan in the
+    same transaction with it (a hostile enqueue left open held them for the whole timeout)."""
+    keyed = [f.name for f in firings if f.schedule["serial_key"] is not None]
+    if not keyed:
+        return firings
+    cur = await conn.execute(BUSY_SERIAL_KEYS, {"names": keyed})
+    busy = {name for (name,) in await cur.fetchall()}
+    for name in sorted(busy):
+        logger.warning("schedule %s: its serial key is held by a session; it fires later", name,
+                       extra={"action": "schedule_lock_busy", "schedule": name, **log})
+    return [f for f in firings if f.name not in busy]
 
 
 async def _fire_together(conn: psycopg.AsyncConnection[Any], firings: list[_Firing],

@@ -3,12 +3,20 @@ saw of it when they chose which tenants to lock."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
+from datetime import UTC, datetime
 
 import psycopg
+import pytest
 
 import runpool
+from runpool import firing
+from runpool.db import aconnect
 from runpool.queries import QUERIES
+from runpool.schedules import plan_key
+from tests.helpers import wait_for
 
 # Live leases of one tenant.
 LIVE = "SELECT count(*) FROM runpool.runs WHERE tenant = %s AND status = 'running'"
@@ -60,3 +68,40 @@ def test_default_quota_set_between_a_claimers_tenant_choice_and_its_claim__is_ne
         conn: psycopg.Connection, dsn: str) -> None:
     assert _two_claimers_across_a_quota_change(
         conn, dsn, "UPDATE runpool.config SET default_quota = 1") <= 1
+
+
+def test_fire__a_tenant_holding_its_schedules_serial_key_holds_back_no_other_tenants_run(
+        conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile tenant's enqueue on its schedule's serial key, left open: the other tenant's
+    plan must be committed (visible) without waiting for that key, whatever the lock timeout
+    (the contract: a due plan fires within 2 s; its run counts once it is committed)."""
+    monkeypatch.setattr(firing, "LOCK_TIMEOUT", "60s")
+    conn.execute("SELECT runpool.set_schedule('evil', '* * * * *', 'evil', 'tick',"
+                 " serial_key => 'k')")
+    conn.execute("SELECT runpool.set_schedule('victim', '* * * * *', 'acme', 'tick')")
+    plan = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
+    conn.execute("UPDATE runpool.schedules SET next_fire_at = %s", (plan,))
+    ticks: list[firing.Tick] = []
+
+    async def fire() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            ticks.append(await firing.fire_due(c, catch_up_max=100, now=plan))
+
+    with psycopg.connect(dsn) as hostile:
+        hostile.execute("SELECT runpool.enqueue('evil', 'tick', serial_key => 'k')")
+        firer = threading.Thread(target=asyncio.run, args=(fire(),), daemon=True)
+        firer.start()
+        wait_for(lambda: conn.execute(
+            "SELECT count(*) FROM runpool.runs WHERE idempotency_key = %s",
+            (plan_key("victim", plan),)).fetchone() == (1,),
+            what="the victim's plan committed while the evil key is held")
+        firer.join(20)
+        assert not firer.is_alive() and ticks[0].fired == {"victim": [plan]}
+    assert fire_now(dsn, plan).fired == {"evil": [plan]}
+
+
+def fire_now(dsn: str, plan: datetime) -> firing.Tick:
+    async def main() -> firing.Tick:
+        async with await aconnect(dsn, autocommit=True) as c:
+            return await firing.fire_due(c, catch_up_max=100, now=plan)
+    return asyncio.run(main())
