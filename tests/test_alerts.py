@@ -16,7 +16,8 @@ import psycopg
 import pytest
 
 import runpool
-from runpool.alerts import Alert, backoff_seconds
+from runpool.alert_documents import Alert, batch_document
+from runpool.alerts import PER_POST, backoff_seconds
 from runpool.claiming import claim
 from runpool.db import aconnect
 from runpool.queries import QUERIES
@@ -69,8 +70,14 @@ class Webhook:
         self._server.server_close()
 
     def delivered(self) -> dict[str, dict[str, Any]]:
+        """Each delivered alert's document by its run id (a post may carry a batch)."""
         with self._lock:
-            return {d["run_id"]: d for s, d in self.posts if s == 200}
+            return {a["run_id"]: a for s, d in self.posts if s == 200 for a in d["alerts"]}
+
+    def alerts(self) -> list[tuple[int, dict[str, Any]]]:
+        """Every alert posted, with the answer its post got."""
+        with self._lock:
+            return [(s, a) for s, d in self.posts for a in d["alerts"]]
 
 
 @pytest.fixture
@@ -110,12 +117,64 @@ def test_webhook__failed_runs_are_delivered_once_a_failing_receiver_recovers(
     # The posts refused by the receiver carried the same alert ids as the ones delivered, and
     # each alert was delivered once (two senders never took the same alert).
     ids = {d["run_id"]: d["id"] for d in docs.values()}
-    assert all(ids[d["run_id"]] == d["id"] for _, d in webhook.posts)
-    assert sorted(d["id"] for s, d in webhook.posts if s == 200) == sorted(ids.values())
+    assert all(ids[d["run_id"]] == d["id"] for _, d in webhook.alerts())
+    assert sorted(d["id"] for s, d in webhook.alerts() if s == 200) == sorted(ids.values())
     rows = _alerts(conn)
     assert sorted(str(a["id"]) for a in rows) == sorted(ids.values())
-    assert sum(a["tries"] for a in rows) == len(webhook.posts)
-    assert "alert_retry" in log and str(fine) not in {d["run_id"] for _, d in webhook.posts}
+    assert sum(a["tries"] for a in rows) == len(webhook.alerts())
+    assert "alert_retry" in log and str(fine) not in {d["run_id"] for _, d in webhook.alerts()}
+    # Two tenants, two posts each time: a post for one alert is that alert's own document.
+    for _, post in webhook.posts:
+        assert post["count"] == 1 and post["alerts"][0] == {
+            k: v for k, v in post.items() if k not in ("count", "alerts")}
+
+
+def _fail_runs(conn: psycopg.Connection, tenant: str, n: int) -> list[uuid.UUID]:
+    """n queued runs of `tenant` failed in one transaction (the trigger writes n alerts)."""
+    ids = runpool.enqueue_many(conn, [runpool.RunSpec(tenant, "noop") for _ in range(n)])
+    conn.execute("UPDATE runpool.runs SET status = 'failed', finished_at = now(),"
+                 " error = jsonb_build_object('reason', 'exception', 'message', 'boom')"
+                 " WHERE id = ANY(%s)", (ids,))
+    conn.commit()
+    return ids
+
+
+def test_flood__a_tenants_failures_go_in_batches_and_other_tenants_are_not_delayed(
+        conn: psycopg.Connection, dsn: str, webhook: Webhook) -> None:
+    # 1,000 failures of one tenant wait in the outbox, then one of another tenant.
+    webhook.fail_first = 1
+    url = webhook.start()
+    flood = _fail_runs(conn, "flood", 1000)
+    (quiet,) = _fail_runs(conn, "quiet", 1)
+    with running_pool(dsn, alert_webhook=url):
+        wait_for(lambda: len(webhook.delivered()) == 1001, timeout=60,
+                 what="every alert delivered")
+        wait_for(lambda: all(a["delivered_at"] for a in _alerts(conn)), what="marked delivered")
+    posts = webhook.posts
+    # A post a tenant a look: the flood's first batch (refused), and beside it, in the same
+    # look, the quiet tenant's alert, not behind the flood's thousand.
+    assert [(d["tenant"], d["count"]) for _, d in posts[:2]] == [("flood", PER_POST),
+                                                                  ("quiet", 1)]
+    assert posts[1][1]["run_id"] == str(quiet) and posts[1][0] == 200
+    # Ten batches for a thousand alerts, plus the refused one again: not a thousand posts.
+    assert len(posts) == 12 and all(d["count"] <= PER_POST for _, d in posts)
+    assert sorted(webhook.delivered()) == sorted(map(str, [*flood, quiet]))
+    # Delivered once each (the refused batch's alerts once more, with the same alert ids).
+    delivered = [a["id"] for s, a in webhook.alerts() if s == 200]
+    assert len(delivered) == len(set(delivered)) == 1001
+    refused = {a["id"] for s, a in webhook.alerts() if s != 200}
+    assert len(refused) == PER_POST and refused <= set(delivered)
+    rows = {str(a["id"]): a for a in _alerts(conn)}
+    assert all(rows[i]["tries"] == 2 for i in refused)
+    for _, doc in posts:
+        assert KEYS <= set(doc) and doc["run_id"] == doc["alerts"][0]["run_id"]
+        # A batch: the first alert's keys, a text summing up all of them, each alert in full.
+        if doc["count"] > 1:
+            assert doc["text"].startswith(f":rotating_light: runpool: {doc['count']} runs of"
+                                          " tenant `flood` failed: ")
+            assert [a["failed_at"] for a in doc["alerts"]] == sorted(
+                a["failed_at"] for a in doc["alerts"])
+            assert all(KEYS <= set(a) for a in doc["alerts"])
 
 
 def test_webhook__an_unreachable_receiver_backs_off_and_never_slows_the_pool(
@@ -237,6 +296,39 @@ def test_document__slack_text_escapes_what_callers_wrote() -> None:
     assert KEYS <= set(doc) and doc["tenant"] == "<!channel> & co"
     assert "<" not in doc["text"] and "&lt;!channel&gt; &amp; co" in doc["text"]
     assert "1 attempt)" in doc["text"]
+
+
+def _alert(i: int, tenant: str = "acme", reason: str = "exception",
+           handler: str = "research") -> Alert:
+    return Alert(id=str(uuid.UUID(int=i)), run_id=f"r{i}", tenant=tenant, handler=handler,
+                 reason=reason, message=f"message {i}", attempts=1, tries=1,
+                 failed_at=f"2026-11-30T00:00:{i:02d}+00:00")
+
+
+def test_document__one_alert_is_posted_as_before_batching() -> None:
+    alert = _alert(1)
+    doc = batch_document([alert])
+    assert doc == {**alert.document(), "count": 1, "alerts": [alert.document()]}
+    assert doc["id"] == alert.id
+
+
+def test_document__a_batch_sums_up_its_alerts_with_a_stable_id() -> None:
+    alerts = [_alert(i, reason="lease_expired" if i % 4 == 0 else "exception",
+                     handler=f"h<{i % 7}>") for i in range(1, 41)]
+    doc = batch_document(alerts)
+    assert KEYS <= set(doc) and doc["count"] == 40
+    assert [a["id"] for a in doc["alerts"]] == [a.id for a in alerts]
+    assert (doc["run_id"], doc["handler"], doc["message"]) == ("r1", "h<1>", "message 1")
+    # The same alerts (in any order) make the same batch id; another set another id.
+    assert doc["id"] == batch_document(alerts[::-1])["id"] != batch_document(alerts[1:])["id"]
+    assert doc["id"] not in {a.id for a in alerts}
+    text = doc["text"]
+    assert "40 runs of tenant `acme` failed: 30 `exception`, 10 `lease_expired`" in text
+    # Five handlers and five runs named, the rest counted; tenants' text escaped.
+    assert "(handlers: 6 `h&lt;1&gt;`, 6 `h&lt;2&gt;`" in text and "and 2 more" in text
+    assert "<" not in text
+    assert "runs `r1`, `r2`, `r3`, `r4`, `r5` and 35 more" in text
+    assert len(text) < 1000
 
 
 def test_backoff__grows_and_is_capped() -> None:
