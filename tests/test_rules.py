@@ -64,3 +64,29 @@ def test_the_claim_reads_ready_runs_through_the_ready_index(
               "worker_id": None, "lease_seconds": 30}
     plan = _plan(conn, QUERIES[statement], params)
     assert "runs_ready" in plan, plan
+
+
+# The claim's parameters as a worker's prepared statements type them.
+_CLAIM_TYPES = {"handlers": "text[]", "limit": "integer", "tenants": "text[]",
+                "worker_id": "uuid", "lease_seconds": "float8"}
+
+
+@pytest.mark.parametrize("statement", ["lock_tenants", "claim_runs"])
+def test_the_claims_generic_plan_never_reads_the_whole_runs_table(
+        conn: psycopg.Connection, statement: str) -> None:
+    # Workers plan the claim once, generically (db.WORKER_SESSION). With the one-row config
+    # table taken for 1,660 rows (it is never analysed) those plans hashed a sequential scan
+    # of runs, at every claim, however many runs the table held.
+    conn.execute("SELECT count(*) FROM runpool.enqueue_many((SELECT jsonb_agg(jsonb_build_object("
+                 "'tenant', 't' || i % 3, 'handler', 'h')) FROM generate_series(1, 20000) i))")
+    conn.execute("ANALYZE runpool.runs")
+    query, names = QUERIES[statement], list(_CLAIM_TYPES)
+    used = sorted((n for n in names if f"%({n})s" in query), key=lambda n: query.index(f"%({n})s"))
+    for i, name in enumerate(used, 1):
+        query = query.replace(f"%({name})s", f"${i}")
+    conn.execute("SET plan_cache_mode = force_generic_plan")
+    conn.execute(f"PREPARE claim ({', '.join(_CLAIM_TYPES[n] for n in used)}) AS {query}")
+    args = {"handlers": "'{h}'", "limit": "10", "tenants": "'{t0,t1}'",
+            "worker_id": "gen_random_uuid()", "lease_seconds": "30"}
+    plan = _plan(conn, f"EXECUTE claim ({', '.join(args[n] for n in used)})")
+    assert "Seq Scan on runpool.runs" not in plan, plan
