@@ -47,6 +47,10 @@ def test_bloat_soak__short_run_reports_sizes_latency_and_the_pinned_xmin(
     # The snapshot held from 4 s to 11 s was seen, and `status` named its holder meanwhile.
     assert any(s["xmin_pinned"] for s in samples) and summary["xmin_warned"]
     assert all(s["claim_p99_ms"] is not None for s in samples)
+    # CPU a run, read from /proc (the workers are this host's); claim buffers need the server
+    # to preload pg_stat_statements, and are None without it.
+    assert any((s["worker_cpu_ms_per_run"] or 0) > 0 for s in samples)
+    assert all("claim_buffers" in s and "db_cpu_ms_per_run" in s for s in samples)
     assert {"runs", "messages", "tool_calls", "run_events", "status_events"} <= set(
         samples[-1]["tables"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

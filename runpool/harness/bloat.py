@@ -36,8 +36,8 @@ from ..enqueue import RunSpec, enqueue_many
 from ..queries import QUERIES
 from ..settings import Settings
 from ..testing.databases import scratch_database
-from ..testing.pools import running_pool
-from .measure import percentile
+from ..testing.pools import running_pool, worker_pids
+from .measure import cpu_seconds, percentile
 
 __all__ = ["run_bloat_soak"]
 
@@ -55,6 +55,19 @@ LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE n.nspname = 'runpool' AND c.relname = ANY(%s)
 """
 QUEUED: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'queued'"
+# The claim statement's counters (pg_stat_statements, when the server preloads it): buffers a
+# claim reads do not depend on how loaded the machine is, its latency does.
+STATEMENTS: Final = "CREATE EXTENSION IF NOT EXISTS pg_stat_statements"
+CLAIM_COUNTERS: Final = """
+SELECT coalesce(sum(calls), 0)::float8, coalesce(sum(shared_blks_hit + shared_blks_read), 0)::float8
+FROM pg_stat_statements
+WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND query LIKE '-- Claim up to %%'
+"""
+# This database's backends (their CPU is read from /proc when the server runs on this host).
+BACKENDS: Final = """
+SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()
+"""
 UNFINISHED: Final = "SELECT count(*) FROM runpool.runs WHERE status IN ('queued', 'running')"
 
 
@@ -112,6 +125,32 @@ def _pin(dsn: str, stop: _Stop, at: float, seconds: float, pinned: list[bool]) -
         conn.rollback()
 
 
+def _claim_counters(conn: psycopg.Connection[Any]) -> tuple[float, float] | None:
+    """(calls, buffers) of the claim so far, or None without pg_stat_statements."""
+    try:
+        with conn.transaction():
+            row = conn.execute(CLAIM_COUNTERS).fetchone()
+    except psycopg.Error:
+        return None
+    return (float(row[0]), float(row[1])) if row else None
+
+
+def _cpu(conn: psycopg.Connection[Any], pool_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the pool's workers, and of each of the database's backends."""
+    backends = {int(pid): cpu_seconds([int(pid)]) for (pid,) in conn.execute(BACKENDS)}
+    return {"workers": cpu_seconds(worker_pids(pool_pid)), **{str(p): c for p, c in
+                                                             backends.items()}}
+
+
+def _per_run_ms(before: dict[str, float], after: dict[str, float], runs: int) -> dict[str, Any]:
+    """Worker and backend CPU per run between two samples (backends alive at both)."""
+    if runs <= 0:
+        return {"worker_cpu_ms_per_run": None, "db_cpu_ms_per_run": None}
+    db = sum(after[k] - before[k] for k in after if k != "workers" and k in before)
+    return {"worker_cpu_ms_per_run": round((after["workers"] - before["workers"]) * 1000 / runs, 3),
+            "db_cpu_ms_per_run": round(db * 1000 / runs, 3)}
+
+
 def _sample(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     sizes = {}
     for name, table, indexes, dead, live in conn.execute(SIZES, (list(TABLES),)):
@@ -132,6 +171,11 @@ def run_bloat_soak(settings: Settings, minutes: float, *, retention: float = 60.
             connect(dsn, autocommit=True) as conn:
         # Without autovacuum nothing removes dead rows: the soak then shows the growth alone.
         autovacuum = str(conn.execute("SHOW autovacuum").fetchone()[0])  # type: ignore[index]
+        try:
+            with conn.transaction():
+                conn.execute(STATEMENTS)
+        except psycopg.Error:
+            pass  # not preloaded: the report has no claim buffers
         stop, enqueued, pinned = _Stop(), [0], [False]
         samples: list[float] = []
         threads = [threading.Thread(target=_feed, args=(dsn, stop, enqueued, max_runs)),
@@ -144,6 +188,7 @@ def run_bloat_soak(settings: Settings, minutes: float, *, retention: float = 60.
         rows: list[dict[str, Any]] = []
         started = time.monotonic()
         last_done, last_at, seen = 0, started, 0
+        last_claims, last_cpu = _claim_counters(conn), _cpu(conn, pool.pid)
         try:
             while time.monotonic() - started < seconds:
                 stop.wait(min(every, max(seconds - (time.monotonic() - started), 0.1)))
@@ -153,15 +198,20 @@ def run_bloat_soak(settings: Settings, minutes: float, *, retention: float = 60.
                 window, seen = samples[seen:], len(samples)
                 warnings = [w for w in health.collect(conn, xmin_warn_seconds=min(every, 60))
                             ["warnings"] if w.startswith("xmin held")]
+                claims, cpu = _claim_counters(conn), _cpu(conn, pool.pid)
+                calls = claims[0] - last_claims[0] if claims and last_claims else 0
                 row = {"t_s": round(now - started, 1), "runs_done": done,
                        "runs_per_s": round((done - last_done) / max(now - last_at, 1e-6), 1),
                        "claim_p50_ms": round(percentile(window, 50), 2) if window else None,
                        "claim_p99_ms": round(percentile(window, 99), 2) if window else None,
+                       "claim_buffers": round((claims[1] - last_claims[1]) / calls, 1)
+                       if claims and last_claims and calls else None,
+                       **_per_run_ms(last_cpu, cpu, done - last_done),
                        "xmin_pinned": pinned[0], "xmin_warning": warnings[0] if warnings else None,
                        "tables": _sample(conn)}
                 rows.append(row)
                 print(json.dumps(row), file=out, flush=True)
-                last_done, last_at = done, now
+                last_done, last_at, last_claims, last_cpu = done, now, claims, cpu
                 if max_runs is not None and done >= max_runs:
                     break
         finally:
@@ -175,6 +225,11 @@ def run_bloat_soak(settings: Settings, minutes: float, *, retention: float = 60.
     if plot:
         _plot(rows, Path(plot), out)
     return 0 if not errors else 1
+
+
+def _mb(row: dict[str, Any], table: str) -> float:
+    sizes = row["tables"].get(table, {})
+    return float(sizes.get("table_mb", 0) + sizes.get("index_mb", 0))
 
 
 def _total_mb(row: dict[str, Any]) -> float:
@@ -201,10 +256,15 @@ def _plot(rows: list[dict[str, Any]], path: Path, out: TextIO) -> None:
     with csv_path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["t_s", "runs_done", "runs_per_s", "claim_p50_ms", "claim_p99_ms",
-                         "xmin_pinned", "total_mb", *(f"{t}_dead" for t in TABLES)])
+                         "claim_buffers", "worker_cpu_ms_per_run", "db_cpu_ms_per_run",
+                         "xmin_pinned", "total_mb", *(f"{t}_mb" for t in TABLES),
+                         *(f"{t}_dead" for t in TABLES)])
         for r in rows:
             writer.writerow([r["t_s"], r["runs_done"], r["runs_per_s"], r["claim_p50_ms"],
-                             r["claim_p99_ms"], r["xmin_pinned"], round(_total_mb(r), 2),
+                             r["claim_p99_ms"], r.get("claim_buffers"),
+                             r.get("worker_cpu_ms_per_run"), r.get("db_cpu_ms_per_run"),
+                             r["xmin_pinned"], round(_total_mb(r), 2),
+                             *(round(_mb(r, t), 2) for t in TABLES),
                              *(r["tables"].get(t, {}).get("dead") for t in TABLES)])
     try:
         import matplotlib
@@ -216,20 +276,25 @@ def _plot(rows: list[dict[str, Any]], path: Path, out: TextIO) -> None:
               file=out)
         return
     t = [r["t_s"] / 60 for r in rows]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(8, 11), sharex=True)
     for table in TABLES:
-        axes[0].plot(t, [r["tables"].get(table, {}).get("table_mb", 0)
-                         + r["tables"].get(table, {}).get("index_mb", 0) for r in rows],
-                     label=table)
+        axes[0].plot(t, [_mb(r, table) for r in rows], label=table)
     axes[0].set_ylabel("size with indexes (MB)")
     axes[0].legend(fontsize="small")
     axes[1].plot(t, [r["claim_p99_ms"] for r in rows], label="p99")
     axes[1].plot(t, [r["claim_p50_ms"] for r in rows], label="p50")
     axes[1].set_ylabel("claim (ms)")
     axes[1].legend(fontsize="small")
-    axes[2].plot(t, [r["runs_per_s"] for r in rows])
-    axes[2].set_ylabel("runs/s")
-    axes[2].set_xlabel("minutes")
+    # What the machine's load does not change: buffers a claim reads, CPU a run costs.
+    axes[2].plot(t, [r.get("claim_buffers") for r in rows], label="buffers a claim")
+    axes[2].set_ylabel("buffers a claim")
+    cpu = axes[2].twinx()
+    cpu.plot(t, [r.get("db_cpu_ms_per_run") for r in rows], color="tab:red",
+             label="database CPU a run (ms)")
+    cpu.set_ylabel("database CPU a run (ms)", color="tab:red")
+    axes[3].plot(t, [r["runs_per_s"] for r in rows])
+    axes[3].set_ylabel("runs/s")
+    axes[3].set_xlabel("minutes")
     for ax in axes:
         for r0, r1 in itertools.pairwise(rows):
             if r1["xmin_pinned"]:
