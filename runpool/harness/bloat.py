@@ -59,7 +59,8 @@ QUEUED: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'queued'"
 # claim reads do not depend on how loaded the machine is, its latency does.
 STATEMENTS: Final = "CREATE EXTENSION IF NOT EXISTS pg_stat_statements"
 CLAIM_COUNTERS: Final = """
-SELECT coalesce(sum(calls), 0)::float8, coalesce(sum(shared_blks_hit + shared_blks_read), 0)::float8
+SELECT coalesce(sum(calls), 0)::float8,
+       coalesce(sum(shared_blks_hit + shared_blks_read), 0)::float8, coalesce(sum(rows), 0)::float8
 FROM pg_stat_statements
 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND query LIKE '-- Claim up to %%'
@@ -125,14 +126,15 @@ def _pin(dsn: str, stop: _Stop, at: float, seconds: float, pinned: list[bool]) -
         conn.rollback()
 
 
-def _claim_counters(conn: psycopg.Connection[Any]) -> tuple[float, float] | None:
-    """(calls, buffers) of the claim so far, or None without pg_stat_statements."""
+def _claim_counters(conn: psycopg.Connection[Any]) -> tuple[float, float, float] | None:
+    """(calls, buffers, runs claimed) of the claim so far, or None without
+    pg_stat_statements."""
     try:
         with conn.transaction():
             row = conn.execute(CLAIM_COUNTERS).fetchone()
     except psycopg.Error:
         return None
-    return (float(row[0]), float(row[1])) if row else None
+    return (float(row[0]), float(row[1]), float(row[2])) if row else None
 
 
 def _cpu(conn: psycopg.Connection[Any], pool_pid: int) -> dict[str, float]:
@@ -204,7 +206,11 @@ def run_bloat_soak(settings: Settings, minutes: float, *, retention: float = 60.
                        "runs_per_s": round((done - last_done) / max(now - last_at, 1e-6), 1),
                        "claim_p50_ms": round(percentile(window, 50), 2) if window else None,
                        "claim_p99_ms": round(percentile(window, 99), 2) if window else None,
+                       # Buffers a claim reads, and runs a claim takes (a claim's buffers
+                       # grow with the runs it takes: each is an update of an indexed row).
                        "claim_buffers": round((claims[1] - last_claims[1]) / calls, 1)
+                       if claims and last_claims and calls else None,
+                       "claim_runs": round((claims[2] - last_claims[2]) / calls, 2)
                        if claims and last_claims and calls else None,
                        **_per_run_ms(last_cpu, cpu, done - last_done),
                        "xmin_pinned": pinned[0], "xmin_warning": warnings[0] if warnings else None,
@@ -256,12 +262,13 @@ def _plot(rows: list[dict[str, Any]], path: Path, out: TextIO) -> None:
     with csv_path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["t_s", "runs_done", "runs_per_s", "claim_p50_ms", "claim_p99_ms",
-                         "claim_buffers", "worker_cpu_ms_per_run", "db_cpu_ms_per_run",
+                         "claim_buffers", "claim_runs", "worker_cpu_ms_per_run",
+                         "db_cpu_ms_per_run",
                          "xmin_pinned", "total_mb", *(f"{t}_mb" for t in TABLES),
                          *(f"{t}_dead" for t in TABLES)])
         for r in rows:
             writer.writerow([r["t_s"], r["runs_done"], r["runs_per_s"], r["claim_p50_ms"],
-                             r["claim_p99_ms"], r.get("claim_buffers"),
+                             r["claim_p99_ms"], r.get("claim_buffers"), r.get("claim_runs"),
                              r.get("worker_cpu_ms_per_run"), r.get("db_cpu_ms_per_run"),
                              r["xmin_pinned"], round(_total_mb(r), 2),
                              *(round(_mb(r, t), 2) for t in TABLES),
