@@ -1,5 +1,5 @@
--- Operations (issue 18): dead-letter alerts in batches, and a claim plan that does not read the
--- whole runs table.
+-- Operations (issue 18): dead-letter alerts in batches, and tenant_capacity without a
+-- mis-estimate that made the claim of 0016 read the whole runs table.
 
 -- == Dead-letter alerts in batches (runpool/alerts.py) ============================================
 
@@ -12,19 +12,20 @@
 -- alerts_due index (by due time alone) would read a whole flood to find the other tenants.
 CREATE INDEX alerts_due_by_tenant ON runpool.alerts (tenant, next_at) WHERE delivered_at IS NULL;
 
--- == The claim's plan no longer grows with the runs table =======================================
+-- == tenant_capacity without the 1,660 rows of a one-row table =================================
 
 -- tenant_capacity (0008) cross-joined the one-row config table, which is never analysed (it
 -- never changes enough for autovacuum to analyse it), so the planner took it for 1,660 rows
--- and multiplied every estimate of the claim by that. The workers' generic plans then judged
--- hundreds of thousands of candidate runs likely and joined them to runs by hashing a
--- sequential scan of the whole table, twice a claim, whenever the queue was more than a few
--- per cent of the table (one claim's buffers, 4,000 queued among 20,000 runs: 1,436; among
--- 50,000: 1,912; 40,000 among 200,000: 6,463; with this and the claim's array probe: 266, 300,
--- 312).
--- The default quota as a scalar subquery multiplies nothing: the probes stay index probes
--- whatever the table holds (tests/test_rules.py). Same columns, same meaning (the config row
--- always exists: 0001 inserts it and nothing deletes it).
+-- and multiplied by that every estimate of a statement reading the view. With the claim of
+-- 0016 the workers' generic plans then hashed a sequential scan of runs, twice a claim,
+-- whenever the queue was more than a few per cent of the table (the soak of issue 18: 1,365 to
+-- 1,388 buffers a claim; docs/claim_plan_cost.py, 4,000 queued among 50,000 runs: 1,918; 40,000
+-- among 200,000: 6,460). The claim herd (queries.sql) locks its picks by index scan and no
+-- longer does, with or without this; the estimates of lock_tenants, claim_runs' capacity and
+-- explain_run are still multiplied by a row count nobody has. The default quota as a scalar
+-- subquery multiplies nothing (tests/test_rules.py checks the generic plans read runs only
+-- through indexes). Same columns, same meaning: the config row always exists (0001 inserts it
+-- and nothing deletes it).
 CREATE OR REPLACE VIEW runpool.tenant_capacity AS
 SELECT t.tenant,
        coalesce(t.max_running, (SELECT c.default_quota FROM runpool.config c)) AS quota,
