@@ -26,9 +26,10 @@ from psycopg.conninfo import make_conninfo  # noqa: E402
 from runpool.migrate import migrate  # noqa: E402
 from runpool.queries import QUERIES  # noqa: E402
 
-TYPES = {"handlers": "text[]", "limit": "integer", "tenants": "text[]", "worker_id": "uuid",
-         "lease_seconds": "float8"}
-ARGS = {"handlers": "'{h}'", "limit": "10", "tenants": "'{t0,t1}'",
+# (`limited`: the claim since a4dc9f3; a tree without it simply does not use it.)
+TYPES = {"handlers": "text[]", "limit": "integer", "tenants": "text[]", "limited": "text[]",
+         "worker_id": "uuid", "lease_seconds": "float8"}
+ARGS = {"handlers": "'{h}'", "limit": "10", "tenants": "'{t0,t1}'", "limited": "'{}'",
         "worker_id": "gen_random_uuid()", "lease_seconds": "30"}
 FILL = """SELECT count(*) FROM runpool.enqueue_many((SELECT jsonb_agg(jsonb_build_object(
     'tenant', 't' || i %% 3, 'handler', 'h')) FROM generate_series(%s::int, %s::int) i))"""

@@ -68,7 +68,7 @@ def test_the_claim_reads_ready_runs_through_the_ready_index(
 
 # The claim's parameters as a worker's prepared statements type them.
 _CLAIM_TYPES = {"handlers": "text[]", "limit": "integer", "tenants": "text[]",
-                "worker_id": "uuid", "lease_seconds": "float8"}
+                "limited": "text[]", "worker_id": "uuid", "lease_seconds": "float8"}
 
 
 @pytest.mark.parametrize("statement", ["lock_tenants", "claim_runs"])
@@ -86,7 +86,7 @@ def test_the_claims_generic_plan_never_reads_the_whole_runs_table(
         query = query.replace(f"%({name})s", f"${i}")
     conn.execute("SET plan_cache_mode = force_generic_plan")
     conn.execute(f"PREPARE claim ({', '.join(_CLAIM_TYPES[n] for n in used)}) AS {query}")
-    args = {"handlers": "'{h}'", "limit": "10", "tenants": "'{t0,t1}'",
+    args = {"handlers": "'{h}'", "limit": "10", "tenants": "'{t0,t1}'", "limited": "'{}'",
             "worker_id": "gen_random_uuid()", "lease_seconds": "30"}
     plan = _plan(conn, f"EXECUTE claim ({', '.join(args[n] for n in used)})")
     assert "Seq Scan on runpool.runs" not in plan, plan
