@@ -14,9 +14,8 @@ WITH expired AS (
     FOR UPDATE SKIP LOCKED
 ),
 bumped AS (
-    UPDATE runpool.event_seqs s SET seq = s.seq + 1
-    WHERE s.run_id IN (SELECT id FROM expired)
-    RETURNING s.run_id, s.seq
+    -- After the locks, in a snapshot of its own (0025).
+    SELECT b.run_id, b.seq FROM runpool._bump_event_seqs(ARRAY(SELECT id FROM expired)) b
 ),
 reaped AS (
     UPDATE runpool.runs r SET
@@ -289,9 +288,9 @@ locked AS (
         FOR UPDATE OF r SKIP LOCKED) pick
 ),
 bumped AS (
-    UPDATE runpool.event_seqs s SET seq = s.seq + 1
-    WHERE s.run_id = ANY(ARRAY(SELECT id FROM locked))
-    RETURNING s.run_id, s.seq
+    -- After the locks, in a snapshot of its own: a counter row a checkpoint write made and
+    -- committed while this statement ran is seen (0025).
+    SELECT b.run_id, b.seq FROM runpool._bump_event_seqs(ARRAY(SELECT id FROM locked)) b
 ),
 claimed AS (
     UPDATE runpool.runs r SET
@@ -455,12 +454,11 @@ decided AS (
 bumped AS (
     -- Exactly the runs `done` updates: held by this statement, running at that attempt (a
     -- counter taken for a run left unchanged would leave a gap after its last event, and a
-    -- follower would wait for it).
-    UPDATE runpool.event_seqs s SET seq = s.seq + 1
-    WHERE s.run_id IN (SELECT d.id FROM decided d
-                       JOIN free f ON f.id = d.id AND f.attempt = d.attempt
-                       WHERE f.status = 'running')
-    RETURNING s.run_id, s.seq
+    -- follower would wait for it); after the locks, in a snapshot of its own (0025).
+    SELECT b.run_id, b.seq FROM runpool._bump_event_seqs(ARRAY(
+        SELECT d.id FROM decided d
+        JOIN free f ON f.id = d.id AND f.attempt = d.attempt
+        WHERE f.status = 'running')) b
 ),
 done AS (
     UPDATE runpool.runs r SET
@@ -519,9 +517,8 @@ mine AS (
     FOR NO KEY UPDATE OF r
 ),
 bumped AS (
-    UPDATE runpool.event_seqs s SET seq = s.seq + 1
-    WHERE s.run_id IN (SELECT id FROM mine)
-    RETURNING s.run_id, s.seq
+    -- After the locks, in a snapshot of its own (0025).
+    SELECT b.run_id, b.seq FROM runpool._bump_event_seqs(ARRAY(SELECT id FROM mine)) b
 ),
 released AS (
     UPDATE runpool.runs r SET
