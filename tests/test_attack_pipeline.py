@@ -1,0 +1,165 @@
+"""Attack on the pipelined group commit (commits.py) with real fenced checkpoint writes: a
+zombie attempt's writes in a batch, a statement the database fails, a connection cut while
+batches are in flight, and PgBouncer in transaction mode. Each run's writes land once, and
+its events keep unique seqs in commit order."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from typing import Any
+
+import psycopg
+
+from runpool.commits import CommitGroup
+from runpool.context import Run
+from runpool.db import connect, open_pool
+from runpool.enqueue import RunSpec, enqueue_many
+from runpool.errors import LeaseLost
+from runpool.testing import Proxy
+
+from .pgbouncer import pgbouncer
+
+# The runs as a worker holds them (attempt 1), as runpool.harness.turn_cost does.
+HOLD = """
+UPDATE runpool.runs SET status = 'running', attempt = 1, started_at = now(),
+       lease_expires_at = now() + interval '1 hour'
+WHERE id = ANY(%s)
+"""
+# Every numbered event of a run (its status events, messages, tool call starts and ends),
+# with the run's counter.
+SEQS = """
+SELECT array(SELECT seq FROM runpool.status_history WHERE run_id = r.id
+             UNION ALL SELECT event_seq FROM runpool.messages WHERE run_id = r.id
+             UNION ALL SELECT started_seq FROM runpool.tool_calls WHERE run_id = r.id
+             UNION ALL SELECT finished_seq FROM runpool.tool_calls
+                       WHERE run_id = r.id AND finished_seq IS NOT NULL ORDER BY 1),
+       (SELECT seq FROM runpool.event_seqs WHERE run_id = r.id),
+       (SELECT count(*) FROM runpool.messages WHERE run_id = r.id),
+       (SELECT count(*) FROM runpool.tool_calls
+        WHERE run_id = r.id AND status = 'succeeded' AND executions = 1)
+FROM runpool.runs r WHERE r.id = %s
+"""
+# A statement the database fails (the test's own trigger): a message whose content is "boom".
+BOOM = """
+CREATE FUNCTION public.boom() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.content = '"boom"'::jsonb THEN RAISE EXCEPTION 'boom'; END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER boom BEFORE INSERT ON runpool.messages FOR EACH ROW EXECUTE FUNCTION public.boom()
+"""
+TURNS = 4
+
+
+async def _lookup(arguments: Any, key: str) -> Any:
+    return {"turn": arguments["turn"]}
+
+
+def _held(dsn: str, n: int) -> list[uuid.UUID]:
+    with connect(dsn, autocommit=True) as conn:
+        ids = enqueue_many(conn, [RunSpec("acme", "agent", {})] * n)
+        conn.execute(HOLD, (ids,))
+        return ids
+
+
+def _agents(dsn: str, ids: list[uuid.UUID], *, boom: uuid.UUID | None = None,
+            stateless: bool = False, meanwhile: Any = None) -> tuple[list[Any], int]:
+    """TURNS turns (a tool call, a message) of each run at once through one CommitGroup; each
+    run's outcome (None or its exception) and how many writes went in a pipeline."""
+
+    async def main() -> tuple[list[Any], int]:
+        pool = await open_pool(dsn, size=6, name="attack-pipeline", stateless=stateless)
+        try:
+            group = CommitGroup(pool)
+
+            async def agent(run_id: uuid.UUID) -> None:
+                run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={},
+                          pool=pool, commits=group)
+                rng = random.Random(str(run_id))
+                for turn in range(TURNS):
+                    await asyncio.sleep(rng.uniform(0, 0.02))
+                    await run.tool(f"t{turn}", "search", {"turn": turn}, _lookup)
+                    await run.add_message("assistant", "boom" if run_id == boom and turn == 2
+                                          else {"turn": turn})
+
+            tasks = [asyncio.ensure_future(agent(i)) for i in ids]
+            if meanwhile is not None:
+                await meanwhile()
+            out = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+            return list(out), group.pipelined
+        finally:
+            await pool.close()
+
+    return asyncio.run(main())
+
+
+def _check(dsn: str, ids: list[uuid.UUID], *, short: dict[uuid.UUID, int]) -> None:
+    """Each run: its writes exactly once (`short`: runs that stopped after that many turns),
+    its seqs unique and within its counter."""
+    with connect(dsn, autocommit=True) as conn:
+        for run_id in ids:
+            row = conn.execute(SEQS, (run_id,)).fetchone()
+            assert row is not None
+            seqs, counter, messages, calls = row
+            turns = short.get(run_id, TURNS)
+            assert len(seqs) == len(set(seqs)), (run_id, seqs)
+            assert (messages, calls) == (2 * turns, turns), run_id
+            if turns:
+                assert seqs[-1] <= counter, (run_id, seqs, counter)
+
+
+def test_a_zombie_and_a_failing_statement_in_pipelined_batches(dsn: str) -> None:
+    ids = _held(dsn, 40)
+    zombie, boom = ids[7], ids[23]
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute(BOOM)
+        # Reclaimed and running again in attempt 2 before its attempt 1 wrote anything.
+        conn.execute("UPDATE runpool.runs SET attempt = 2 WHERE id = %s", (zombie,))
+        before = conn.execute("SELECT event_seq FROM runpool.runs WHERE id = %s",
+                              (zombie,)).fetchone()
+    out, pipelined = _agents(dsn, ids, boom=boom)
+    assert pipelined > 0
+    assert isinstance(out[ids.index(zombie)], LeaseLost)
+    assert isinstance(out[ids.index(boom)], psycopg.errors.RaiseException)
+    assert [i for i, o in zip(ids, out, strict=True) if o is not None] == [zombie, boom]
+    with connect(dsn, autocommit=True) as conn:
+        # The zombie wrote and numbered nothing.
+        assert conn.execute("SELECT event_seq, (SELECT count(*) FROM runpool.event_seqs"
+                            " WHERE run_id = %s) FROM runpool.runs WHERE id = %s",
+                            (zombie, zombie)).fetchone() == (before[0] if before else None, 0)
+        # The failing run: its third turn's tool call committed, its message never.
+        assert conn.execute("SELECT count(*) FROM runpool.messages WHERE run_id = %s",
+                            (boom,)).fetchone() == (5,)
+    _check(dsn, [i for i in ids if i not in (zombie, boom)], short={})
+
+
+def test_connections_cut_while_pipelined_batches_are_in_flight(dsn: str) -> None:
+    ids = _held(dsn, 40)
+    proxy = Proxy(dsn)
+    try:
+        async def cut_twice() -> None:
+            for _ in range(2):
+                await asyncio.sleep(0.15)
+                await asyncio.to_thread(proxy.cut)
+
+        out, pipelined = _agents(proxy.dsn(dsn), ids, meanwhile=cut_twice)
+        reconnected = proxy.connections > 6  # the pool's 6, then new ones after each cut
+    finally:
+        proxy.close()
+    assert reconnected
+    assert out == [None] * len(ids)
+    assert pipelined > 0
+    _check(dsn, ids, short={})
+
+
+def test_pipelined_batches_through_pgbouncer_in_transaction_mode(
+        dsn: str, server_dsn: str) -> None:
+    ids = _held(dsn, 40)
+    with pgbouncer(server_dsn, pool_size=3) as bouncer:
+        out, pipelined = _agents(bouncer.dsn(dsn), ids, stateless=True)
+    assert out == [None] * len(ids)
+    assert pipelined > 0
+    _check(dsn, ids, short={})
+
