@@ -14,7 +14,7 @@ WITH expired AS (
     FOR UPDATE SKIP LOCKED
 ),
 bumped AS (
-    -- After the locks, in a snapshot of its own (0025).
+    -- After the locks, in a snapshot of its own (0020).
     SELECT b.run_id, b.seq FROM runpool._bump_event_seqs(ARRAY(SELECT id FROM expired)) b
 ),
 reaped AS (
@@ -289,7 +289,7 @@ locked AS (
 ),
 bumped AS (
     -- After the locks, in a snapshot of its own: a counter row a checkpoint write made and
-    -- committed while this statement ran is seen (0025).
+    -- committed while this statement ran is seen (0020).
     SELECT b.run_id, b.seq FROM runpool._bump_event_seqs(ARRAY(SELECT id FROM locked)) b
 ),
 claimed AS (
@@ -454,7 +454,7 @@ decided AS (
 bumped AS (
     -- Exactly the runs `done` updates: held by this statement, running at that attempt (a
     -- counter taken for a run left unchanged would leave a gap after its last event, and a
-    -- follower would wait for it); after the locks, in a snapshot of its own (0025).
+    -- follower would wait for it); after the locks, in a snapshot of its own (0020).
     SELECT b.run_id, b.seq FROM runpool._bump_event_seqs(ARRAY(
         SELECT d.id FROM decided d
         JOIN free f ON f.id = d.id AND f.attempt = d.attempt
@@ -517,7 +517,7 @@ mine AS (
     FOR NO KEY UPDATE OF r
 ),
 bumped AS (
-    -- After the locks, in a snapshot of its own (0025).
+    -- After the locks, in a snapshot of its own (0020).
     SELECT b.run_id, b.seq FROM runpool._bump_event_seqs(ARRAY(SELECT id FROM mine)) b
 ),
 released AS (

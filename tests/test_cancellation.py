@@ -253,7 +253,7 @@ def test_catalog__every_function_is_definer_pinned_and_not_public(
                                             "serial_commit_lock", "max_name_length",
                                             "max_stored_signals"}
     # The doorbell (0018) is inlined too, though volatile (it notifies): same SQL-standard
-    # body, no rights of its own; the status statements' counter bump (0025) too (not
+    # body, no rights of its own; the status statements' counter bump (0020) too (not
     # inlined: called once per statement, for a snapshot of its own).
     inlined = {name for name, definer, config, public, rule in rows
                if name in ("_ring", "_bump_event_seqs") and not definer and not config}

@@ -342,7 +342,7 @@ def test_defect10_functions__pg_catalog_comes_first_in_every_search_path(
         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
         WHERE n.nspname = 'runpool' AND (p.prosqlbody IS NULL OR p.prosecdef
                                          OR p.provolatile = 'v')
-          -- the doorbell (0018) and the status statements' counter bump (0025): volatile
+          -- the doorbell (0018) and the status statements' counter bump (0020): volatile
           -- SQL-standard bodies, no rights of their own
           AND NOT (p.proname IN ('_ring', '_bump_event_seqs')
                    AND p.prosqlbody IS NOT NULL)""").fetchall()

@@ -1,4 +1,4 @@
--- 0025_status_seq: a worker's status change (claim, finish, reap, release: 0017) takes its
+-- 0020_status_seq: a worker's status change (claim, finish, reap, release: 0017) takes its
 -- seq after a checkpoint's counter row that committed while the statement ran.
 --
 -- Why: those statements advanced the runs' counter rows (event_seqs, made by a run's first
