@@ -136,7 +136,9 @@ def finish_params(runs: list[tuple[uuid.UUID, int]]) -> dict[str, Any]:
 
 async def _churning_claimer(dsn: str, seed: int, max_limit: int) -> None:
     """Claims random batch sizes and finishes a random part of what it holds (runs ending at
-    random), until the queue has stayed empty for three rounds."""
+    random), until the queue has stayed empty for three rounds. A finish answered 'busy' (its
+    row held right now: another claimer's statement can lock a run it then passes over) is
+    kept and written again, as a worker's outcome batch does."""
     rnd = random.Random(seed)
     async with await aconnect(dsn, autocommit=True) as c:
         held: list[tuple[uuid.UUID, int]] = []
@@ -149,8 +151,9 @@ async def _churning_claimer(dsn: str, seed: int, max_limit: int) -> None:
             rnd.shuffle(held)
             cut = rnd.randint(0, len(held))
             if cut:
-                await c.execute(QUERIES["finish_runs"], finish_params(held[:cut]))
-                held = held[cut:]
+                cur = await c.execute(QUERIES["finish_runs"], finish_params(held[:cut]))
+                busy = {row[0] for row in await cur.fetchall() if row[1] == "busy"}
+                held = [h for h in held[:cut] if h[0] in busy] + held[cut:]
 
 
 def race_claimers(dsn: str, *, claimers: int, max_limit: int, probe: Any
