@@ -17,7 +17,7 @@ from .db import NO_JIT, loads_exact
 from .errors import InvalidInput
 from .queries import QUERIES
 
-__all__ = ["ClaimedRun", "claim", "claim_statements", "read_claimed", "reap"]
+__all__ = ["ClaimedRun", "PendingClaim", "claim", "claim_statements", "read_claimed", "reap"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,16 @@ class _JsonText(Loader):
         return bytes(data)
 
 
+@dataclass(frozen=True, slots=True)
+class PendingClaim:
+    """A claim's statements, sent in the caller's transaction, their answers read only after
+    its COMMIT (see read_claimed): reading any before would cost the claim a round trip."""
+    claimed: psycopg.AsyncCursor[dict[str, Any]]
+    # The schedules' probe and whom to tell its answer (None: not probed in this claim).
+    probe: psycopg.AsyncCursor[Any] | None = None
+    on_schedules: Callable[[float | None, bool], None] | None = None
+
+
 async def reap(conn: psycopg.AsyncConnection[Any]) -> int:
     """Return expired leases to the queue; returns how many runs were reaped."""
     cur = await conn.execute(QUERIES["reap_expired"])
@@ -81,13 +91,17 @@ async def claim_statements(
     promote: bool = True,
     handlers: Sequence[str] | None = None,
     on_schedules: Callable[[float | None, bool], None] | None = None,
-) -> psycopg.AsyncCursor[dict[str, Any]] | None:
+) -> PendingClaim:
     """The claim's statements, run inside the caller's pipelined transaction. Returns the
-    cursor of claimed rows (None when no tenant has work and room), to be read after COMMIT:
-    a run is handed to a handler only once its claim is durable.
+    pending claim, to be read after COMMIT (read_claimed): a run is handed to a handler only
+    once its claim is durable.
 
     The tenant locks make quotas exact under any number of concurrent claimers; the claim
-    statement runs after them so its snapshot already sees every earlier claimer's commit.
+    statement runs after them so its snapshot already sees every earlier claimer's commit
+    (read committed takes a snapshot per statement, and the server runs a pipeline's
+    statements in order: the claim's starts once every lock is held). It finds the chosen
+    and locked tenants in the transaction's settings, so it is sent right behind the locks
+    without waiting for their answer: the whole claim is one round trip.
     With `touch`, the worker's liveness is recorded in the same transaction, so an idle worker
     costs one transaction per poll and no more. `reap_expired` returns expired leases to the
     queue first (a busy worker need not do it on every claim: an expired lease never counts
@@ -125,27 +139,25 @@ async def claim_statements(
         names = [h for (h,) in await cur.fetchall()]
     else:
         names = list(handlers)
-    cur = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
-    chosen = await cur.fetchall()
-    tenants = [t for (t, _) in chosen]
-    if probe is not None and on_schedules is not None:
-        seen = await probe.fetchone()
-        if seen is not None:
-            on_schedules(seen[0], bool(seen[1]))
-    if not tenants:
-        return None
+    await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
     faults.hit("claim.locked", conn)
     claimed = conn.cursor(row_factory=dict_row)
     claimed.adapters.register_loader("jsonb", _JsonText)
     await claimed.execute(QUERIES["claim_runs"], {
-        "tenants": tenants, "limited": [t for (t, limited) in chosen if limited],
-        "limit": limit, "worker_id": worker_id,
-        "lease_seconds": lease_seconds, "handlers": names})
-    return claimed
+        "limit": limit, "worker_id": worker_id, "lease_seconds": lease_seconds,
+        "handlers": names})
+    return PendingClaim(claimed, probe, on_schedules)
 
 
-async def read_claimed(cursor: psycopg.AsyncCursor[dict[str, Any]] | None) -> list[ClaimedRun]:
-    return [ClaimedRun(**row) for row in await cursor.fetchall()] if cursor else []
+async def read_claimed(pending: PendingClaim | None) -> list[ClaimedRun]:
+    """The runs a committed claim took (telling the schedules' probe first, if it rode)."""
+    if pending is None:
+        return []
+    if pending.probe is not None and pending.on_schedules is not None:
+        seen = await pending.probe.fetchone()
+        if seen is not None:
+            pending.on_schedules(seen[0], bool(seen[1]))
+    return [ClaimedRun(**row) for row in await pending.claimed.fetchall()]
 
 
 async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, no_jit: bool = True,

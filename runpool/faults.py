@@ -6,7 +6,7 @@ worker process (default: the first). With RUNPOOL_FAULTS_DIR set, a fired fault 
 marker file there and fires once per pool instead of once per process (a restarted worker
 would otherwise hit it again and never get past it).
 
-Points: claim.locked (tenants locked, the claim statement not yet sent), claim.committed (the
+Points: claim.locked (the tenant locks sent, the claim statement not yet), claim.committed (the
 claim is durable, no handler started yet), tool.intended (a tool call's intent committed, the
 tool not yet started), tool.returned (the tool's side effect happened, its
 result not yet committed), checkpoint.committed (a tool result and its message just

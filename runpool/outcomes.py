@@ -16,7 +16,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import faults
-from .claiming import ClaimedRun, read_claimed
+from .claiming import ClaimedRun, PendingClaim, read_claimed
 from .db import NO_JIT, dumps, jsonb, loads
 from .deadlines import bounded, transient
 from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout
@@ -124,7 +124,7 @@ class Refill(Protocol):
     def capacity(self, freed: int) -> int: ...
 
     async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
-                         ) -> psycopg.AsyncCursor[dict[str, Any]] | None: ...
+                         ) -> PendingClaim: ...
 
     def started(self, claimed: list[ClaimedRun], sent: float) -> None:
         """Told after every refill's commit, even one that claimed nothing (`sent`: when the

@@ -168,6 +168,9 @@ SELECT handler FROM every_handler;
 -- them all behind one claim's commit (W16: 14 of 16 claimers waiting on one tenant's row).
 -- The count here may be stale; claim_runs recounts under the lock. Each tenant comes with
 -- whether it was locked: claim_runs takes nothing of one that got a quota since (see there).
+-- Both lists are also left in the transaction's settings runpool.claim_tenants and
+-- runpool.claim_limited, where claim_runs reads them: the two statements travel in one round
+-- trip, the claim never waiting on this answer.
 WITH RECURSIVE served AS (
     -- A loose index scan per served handler: one probe per tenant with ready runs of it,
     -- giving its best rank. Runs of handlers this pool does not serve are never read.
@@ -201,15 +204,32 @@ limited AS (
     WHERE t.tenant IN (SELECT tenant FROM best WHERE limited)
     ORDER BY t.tenant
     FOR NO KEY UPDATE OF t
+),
+chosen AS (
+    SELECT tenant, false AS limited FROM best WHERE NOT limited
+    UNION ALL
+    SELECT tenant, true FROM limited
+),
+noted AS (
+    -- One aggregate row: the settings are written exactly once, empty when no tenant
+    -- qualifies (transaction-local: they end with the claim's COMMIT, also through
+    -- PgBouncer's transaction mode).
+    SELECT set_config('runpool.claim_tenants',
+                      coalesce(array_agg(tenant ORDER BY tenant), '{}')::text, true) AS tenants,
+           set_config('runpool.claim_limited',
+                      coalesce(array_agg(tenant) FILTER (WHERE limited), '{}')::text,
+                      true) AS limited
+    FROM chosen
 )
-SELECT tenant, false AS limited FROM best WHERE NOT limited
-UNION ALL
-SELECT tenant, true FROM limited
-ORDER BY tenant;
+SELECT c.tenant, c.tenant = ANY(n.limited::text[]) AS limited
+FROM noted n CROSS JOIN LATERAL unnest(n.tenants::text[]) WITH ORDINALITY AS c(tenant, i)
+ORDER BY c.i;
 
 -- name: claim_runs
--- Claim up to %(limit)s runs of the tenants chosen by lock_tenants (%(limited)s: those it
--- locked), best rank first, within each tenant's free quota. Takes a lease in database time and increments the fencing token.
+-- Claim up to %(limit)s runs of the tenants chosen by lock_tenants earlier in the same
+-- transaction (it left them in runpool.claim_tenants, and those it locked in
+-- runpool.claim_limited), best rank first, within each tenant's free quota. Takes a lease in
+-- database time and increments the fencing token.
 -- The status change's live event is its run_events row, with the run's next seq: taken here,
 -- in the same row update (so 0009's trigger, which would number and store it again, stands
 -- aside: 0017), or from the run's counter row once it wrote a checkpoint (kept equal).
@@ -225,10 +245,12 @@ capacity AS (
     -- claim uncommitted and both take the last free slot); the next claim locks it.
     SELECT q.tenant,
            CASE WHEN q.quota IS NULL THEN %(limit)s
-                WHEN q.tenant <> ALL(%(limited)s::text[]) THEN 0
+                WHEN q.tenant <> ALL(coalesce(nullif(current_setting('runpool.claim_limited',
+                                                                    true), '')::text[], '{}'))
+                THEN 0
                 ELSE greatest(least(q.quota - q.live, %(limit)s), 0) END AS depth
     FROM runpool.tenant_capacity q
-    WHERE q.tenant = ANY(%(tenants)s::text[])
+    WHERE q.tenant = ANY(nullif(current_setting('runpool.claim_tenants', true), '')::text[])
 ),
 candidates AS (
     -- How many runs the claim wants of each tenant and handler: the best %(limit)s of the

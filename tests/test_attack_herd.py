@@ -29,13 +29,11 @@ def _lock(conn: psycopg.Connection, limit: int) -> list[tuple[str, bool]]:
     return [(t, limited) for (t, limited) in conn.execute(QUERIES["lock_tenants"], params)]
 
 
-def _claim(conn: psycopg.Connection, chosen: list[tuple[str, bool]],
-           limit: int) -> list[uuid.UUID]:
-    """claim_runs in the caller's open transaction (not committed)."""
+def _claim(conn: psycopg.Connection, limit: int) -> list[uuid.UUID]:
+    """claim_runs in the caller's open transaction (not committed), of the tenants its
+    lock_tenants chose."""
     rows = conn.execute(QUERIES["claim_runs"], {
-        "handlers": ["noop"], "limit": limit, "tenants": [t for (t, _) in chosen],
-        "limited": [t for (t, limited) in chosen if limited],
-        "worker_id": uuid.uuid4(), "lease_seconds": 30})
+        "handlers": ["noop"], "limit": limit, "worker_id": uuid.uuid4(), "lease_seconds": 30})
     return [r[0] for r in rows]
 
 
@@ -49,8 +47,8 @@ def _two_claimers_across_a_quota_change(
         chose_second = _lock(second, 5)
         assert chose_first == chose_second == [("acme", False)]
         conn.execute(change)
-        _claim(first, chose_first, 5)
-        _claim(second, chose_second, 5)
+        _claim(first, 5)
+        _claim(second, 5)
         first.commit()
         second.commit()
     live = conn.execute(LIVE, ("acme",)).fetchone()

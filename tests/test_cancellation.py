@@ -158,9 +158,8 @@ def test_race_cancel_during_claim__claim_first_then_cancel_says_cancelling(
     run_id = runpool.enqueue(conn, "acme", "noop")
     answers: list[Any] = []
     with connect(dsn) as claimer:  # one open claim transaction, committed by hand
-        tenants = [t for (t, _) in claimer.execute(QUERIES["lock_tenants"],
-                                                    {"handlers": ["noop"], "limit": 1})]
-        claimer.execute(QUERIES["claim_runs"], {"tenants": tenants, "limited": [], "limit": 1,
+        claimer.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 1})
+        claimer.execute(QUERIES["claim_runs"], {"limit": 1,
                                                 "handlers": ["noop"], "worker_id": uuid.uuid4(),
                                                 "lease_seconds": 30})
         canceller = _cancel_in_thread(dsn, run_id, "race", answers)

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 import runpool
-from runpool.claiming import claim_statements
+from runpool.claiming import claim_statements, read_claimed
 from runpool.db import WORKER_SESSION, aconnect
 
 # Pages of runs (heap and indexes) this session read, as of its last flushed statistics.
@@ -38,11 +38,10 @@ async def _pages_per_claim(dsn: str) -> float:
 
         async def one() -> int:
             async with conn.transaction(force_rollback=True):
-                cursor = await claim_statements(conn, worker_id=uuid.uuid4(), limit=10,
-                                                lease_seconds=30, reap_expired=False,
-                                                handlers=["noop"])
-                assert cursor is not None
-                return len(await cursor.fetchall())
+                pending = await claim_statements(conn, worker_id=uuid.uuid4(), limit=10,
+                                                 lease_seconds=30, reap_expired=False,
+                                                 handlers=["noop"])
+                return len(await read_claimed(pending))
 
         for _ in range(6):
             assert await one() == 10

@@ -186,10 +186,9 @@ def test_claim__without_promote_a_due_run_waits_for_a_claim_that_promotes(
 def _claim_in(conn: psycopg.Connection, limit: int) -> list[uuid.UUID]:
     """lock_tenants then claim_runs in the caller's open transaction (not committed)."""
     params = {"handlers": ["noop"], "limit": limit}
-    chosen = conn.execute(QUERIES["lock_tenants"], params).fetchall()
+    conn.execute(QUERIES["lock_tenants"], params)
     rows = conn.execute(QUERIES["claim_runs"], {
-        **params, "tenants": [t for (t, _) in chosen], "worker_id": uuid.uuid4(),
-        "limited": [t for (t, limited) in chosen if limited], "lease_seconds": 30})
+        **params, "worker_id": uuid.uuid4(), "lease_seconds": 30})
     return [r[0] for r in rows]
 
 

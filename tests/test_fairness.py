@@ -123,13 +123,17 @@ def _claim_plans(conn: psycopg.Connection, depth: int) -> list[dict[str, Any]]:
     conn.execute("ANALYZE runpool.runs")
     conn.execute("SET jit = off")
     plans = []
-    claim_params = {"tenants": ["flood", *tenants], "limited": ["flood"], "limit": 10,
-                    "worker_id": uuid.uuid4(),
-                    "lease_seconds": 30, "handlers": ["noop"]}
+    claim_params = {"limit": 10, "worker_id": uuid.uuid4(), "lease_seconds": 30,
+                    "handlers": ["noop"]}
     lock_params = {"handlers": ["noop"], "limit": 10}
+    # The claim is given the tenant at quota too, locked (lock_tenants passes it over), as
+    # lock_tenants leaves its choice: so its recount of a deep backlog's quota is measured.
+    every = "{" + ",".join(["flood", *tenants]) + "}"
     for query, params in ((QUERIES["lock_tenants"], lock_params),
                           (QUERIES["claim_runs"], claim_params)):
         with conn.transaction():  # EXPLAIN ANALYZE really claims: undo it
+            conn.execute("SELECT set_config('runpool.claim_tenants', %s, true),"
+                         " set_config('runpool.claim_limited', '{flood}', true)", (every,))
             plans.append(_explain(conn, query, params))
             raise psycopg.Rollback()
     return plans

@@ -254,8 +254,7 @@ def _claim_blocks(conn: psycopg.Connection,
         locked = [t for (t, _) in chosen]
         stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
             QUERIES["claim_runs"])
-        plan = scalar(conn, stmt, {"tenants": locked, "limit": 10, "handlers": handlers,
-                                   "limited": [t for (t, limited) in chosen if limited],
+        plan = scalar(conn, stmt, {"limit": 10, "handlers": handlers,
                                    "worker_id": uuid.uuid4(), "lease_seconds": 30})[0]["Plan"]
         blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
         raise psycopg.Rollback()  # EXPLAIN ANALYZE really claims: undo it

@@ -60,8 +60,10 @@ def test_the_claim_reads_ready_runs_through_the_ready_index(
     # With sequential scans priced out, a probe can only avoid one through an index whose
     # predicate the view's implies: runs_ready.
     conn.execute("SET enable_seqscan = off")
-    params = {"handlers": ["h"], "limit": 10, "tenants": ["t"], "limited": ["t"],
-              "worker_id": None, "lease_seconds": 30}
+    # The tenants claim_runs takes from, as lock_tenants leaves them (session-wide here).
+    conn.execute("SELECT set_config('runpool.claim_tenants', '{t}', false),"
+                 " set_config('runpool.claim_limited', '{t}', false)")
+    params = {"handlers": ["h"], "limit": 10, "worker_id": None, "lease_seconds": 30}
     plan = _plan(conn, QUERIES[statement], params)
     assert "runs_ready" in plan, plan
 
