@@ -13,7 +13,7 @@ from psycopg.adapt import Buffer, Loader
 from psycopg.rows import dict_row
 
 from . import faults
-from .db import NO_JIT, loads_exact
+from .db import NO_JIT, loads_exact, one_trip
 from .errors import InvalidInput
 from .queries import QUERIES
 
@@ -168,12 +168,10 @@ async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, no_jit: bool 
     db.WORKER_SESSION; a statement less)."""
     if limit <= 0:
         return []
-    # Pipelined: BEGIN, the reap and the tenant locks travel in one round trip; the claim and
-    # COMMIT in a second.
-    async with conn.pipeline():
-        async with conn.transaction():
-            if no_jit:
-                await conn.execute(NO_JIT)
-            cursor = await claim_statements(conn, limit=limit, **options)
+    # BEGIN, the reap, the tenant locks, the claim and COMMIT travel in one round trip.
+    async with one_trip(conn):
+        if no_jit:
+            await conn.execute(NO_JIT)
+        cursor = await claim_statements(conn, limit=limit, **options)
     faults.hit("claim.committed", conn)
     return await read_claimed(cursor)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import orjson
@@ -29,6 +31,7 @@ __all__ = [
     "jsonb",
     "loads",
     "loads_exact",
+    "one_trip",
     "open_pool",
     "translate_error",
 ]
@@ -310,3 +313,33 @@ def translate_error(exc: psycopg.Error) -> Exception:
     if isinstance(exc, psycopg.DataError) and "NUL" in str(exc):
         return InvalidInput("text contains a NUL (0x00) character, which PostgreSQL rejects")
     return exc
+
+
+# A transaction's bounds, sent as plain statements in one_trip's pipeline.
+BEGIN: Final = "BEGIN"
+COMMIT: Final = "COMMIT"
+ROLLBACK: Final = "ROLLBACK"
+
+
+@contextlib.asynccontextmanager
+async def one_trip(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+    """A pipelined transaction whose statements (none of them read before the end) cost one
+    round trip: BEGIN, the body and COMMIT behind one Sync. psycopg's transaction() in a
+    pipeline syncs at BEGIN and at COMMIT, and its pipeline once more on exit: four round
+    trips for a claim. Needs an autocommit connection (the pool's); on any other it falls
+    back to transaction(). On an error the server has skipped the rest, COMMIT included, and
+    holds a failed transaction: it is rolled back here (or the connection is gone)."""
+    if not conn.autocommit:
+        async with conn.pipeline(), conn.transaction():
+            yield
+        return
+    try:
+        async with conn.pipeline():
+            await conn.execute(BEGIN)
+            yield
+            await conn.execute(COMMIT)
+    except BaseException:
+        if not conn.closed and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute(ROLLBACK)
+        raise
