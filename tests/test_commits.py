@@ -31,6 +31,16 @@ def _insert(x: int) -> Any:
     return op
 
 
+
+def _only_30_and_40_failed(dsn: str, out: list[Any]) -> None:
+    """Write 30 divided by zero and write 40 was fenced out; the other 78 went in, once each."""
+    assert isinstance(out[30], psycopg.errors.DivisionByZero)
+    assert isinstance(out[40], LeaseLost)
+    assert [x for x in range(80) if out[x] != x] == [30, 40]
+    with connect(dsn, autocommit=True) as conn:
+        rows = [x for (x,) in conn.execute("SELECT x FROM written ORDER BY x")]
+    assert rows == [x for x in range(80) if x not in (30, 40)]
+
 def test_commit_group__waiting_writes_share_commits_and_a_failing_one_fails_alone(
         dsn: str) -> None:
     with connect(dsn, autocommit=True) as conn:
@@ -57,12 +67,7 @@ def test_commit_group__waiting_writes_share_commits_and_a_failing_one_fails_alon
             await pool.close()
 
     out = asyncio.run(main())
-    assert isinstance(out[30], psycopg.errors.DivisionByZero)
-    assert isinstance(out[40], LeaseLost)
-    assert [x for x in range(80) if out[x] != x] == [30, 40]
-    with connect(dsn, autocommit=True) as conn:
-        rows = [x for (x,) in conn.execute("SELECT x FROM written ORDER BY x")]
-    assert rows == [x for x in range(80) if x not in (30, 40)]
+    _only_30_and_40_failed(dsn, out)
 
 
 def test_commit_group__a_connection_broken_mid_batch_repeats_each_write_once(dsn: str) -> None:
@@ -186,12 +191,7 @@ def test_commit_group__statements_go_in_one_pipeline_and_a_failing_one_still_fai
             await pool.close()
 
     out, pipelined, commits = asyncio.run(main(range(80)))
-    assert isinstance(out[30], psycopg.errors.DivisionByZero)
-    assert isinstance(out[40], LeaseLost)
-    assert [x for x in range(80) if out[x] != x] == [30, 40]
-    with connect(dsn, autocommit=True) as conn:
-        rows = [x for (x,) in conn.execute("SELECT x FROM written ORDER BY x")]
-    assert rows == [x for x in range(80) if x not in (30, 40)]
+    _only_30_and_40_failed(dsn, out)
     # Without a failing statement: the first MAX_INFLIGHT writes go alone at once, the others
     # wait and go in batches, each batch one pipeline.
     out, pipelined, commits = asyncio.run(main(range(100, 180)))
