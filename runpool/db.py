@@ -315,8 +315,10 @@ def translate_error(exc: psycopg.Error) -> Exception:
     return exc
 
 
-# A transaction's bounds, sent as plain statements in one_trip's pipeline.
-BEGIN: Final = "BEGIN"
+# A transaction's bounds, sent as plain statements in one_trip's pipeline. Read committed is
+# named, as every explicit transaction of a stateless (pooled-through-PgBouncer) connection
+# does: there no session pins the level, and the claim is written for read committed.
+BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
 COMMIT: Final = "COMMIT"
 ROLLBACK: Final = "ROLLBACK"
 
