@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from . import faults
 from .claiming import ClaimedRun, PendingClaim, read_claimed
-from .db import NO_JIT, dumps, jsonb, loads
+from .db import NO_JIT, dumps, jsonb, loads, one_trip
 from .deadlines import bounded, transient
 from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout
 from .queries import QUERIES
@@ -274,17 +274,18 @@ class OutcomeWriter:
             faults.hit("outcome.committing", conn)
             if room > 0:
                 assert self._refill is not None
-                async with conn.pipeline():
-                    async with conn.transaction():
-                        if self._no_jit:
-                            await conn.execute(NO_JIT)
-                        if serial:
-                            await conn.execute(QUERIES["defer_serial_release"])
-                        finished = await conn.execute(QUERIES["finish_runs"], params)
-                        if serial:
-                            await conn.execute(QUERIES["lock_ended_serial_keys"], params)
-                            await conn.execute(QUERIES["release_serial_keys"], params)
-                        cursor = await self._refill.statements(conn, room)
+                # BEGIN, the finishes, the keys' release, the claim and COMMIT travel in one
+                # round trip; the claimed runs are read (and handed over) only after COMMIT.
+                async with one_trip(conn):
+                    if self._no_jit:
+                        await conn.execute(NO_JIT)
+                    if serial:
+                        await conn.execute(QUERIES["defer_serial_release"])
+                    finished = await conn.execute(QUERIES["finish_runs"], params)
+                    if serial:
+                        await conn.execute(QUERIES["lock_ended_serial_keys"], params)
+                        await conn.execute(QUERIES["release_serial_keys"], params)
+                    cursor = await self._refill.statements(conn, room)
                 claimed = await read_claimed(cursor)
             else:
                 finished = await conn.execute(QUERIES["finish_runs"], params)

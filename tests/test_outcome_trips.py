@@ -1,0 +1,118 @@
+"""A batch of outcomes and the refill claim riding on it cost one round trip (BEGIN, the
+finishes, the serial keys' release, the claim and COMMIT behind one Sync: W1's hot path), and
+the refill's runs are handed over only after COMMIT."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import tempfile
+import uuid
+from typing import Any
+
+import psycopg
+
+import runpool
+from runpool.claiming import ClaimedRun, PendingClaim, claim, claim_statements
+from runpool.db import aconnect, open_pool
+from runpool.outcomes import OutcomeWriter, from_result
+
+
+class _Refill:
+    """Claims up to one noop run per batch; records what it was handed, and whether the
+    claim had committed by then."""
+
+    def __init__(self) -> None:
+        self.worker_id = uuid.uuid4()
+        self.handed: list[ClaimedRun] = []
+        self.committed: list[bool] = []
+        self.conn: psycopg.AsyncConnection[Any] | None = None
+
+    def capacity(self, freed: int) -> int:
+        return 1
+
+    async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
+                         ) -> PendingClaim:
+        self.conn = conn
+        return await claim_statements(conn, limit=limit, worker_id=self.worker_id,
+                                      lease_seconds=30, handlers=["noop"])
+
+    def started(self, claimed: list[ClaimedRun], sent: float) -> None:
+        assert self.conn is not None
+        self.committed.append(
+            self.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE)
+        self.handed.extend(claimed)
+
+
+def _round_trips(trace: str) -> int:
+    """The times the server's messages follow the client's in a libpq protocol trace."""
+    sides = [f[1] for f in (line.split("\t") for line in trace.splitlines())
+             if len(f) > 1 and f[1] in ("F", "B")]
+    return sum(1 for pair in itertools.pairwise(sides) if pair == ("F", "B"))
+
+
+async def _finish_traced(dsn: str, refill: _Refill) -> tuple[str | None, int]:
+    """Claim one run, then write its outcome through an OutcomeWriter whose batch refills:
+    the run's new status and the batch's protocol round trips."""
+    async with await aconnect(dsn, autocommit=True) as c:
+        (first,) = await claim(c, limit=1, worker_id=refill.worker_id, lease_seconds=30,
+                               handlers=["noop"])
+    pool = await open_pool(dsn, size=1, name="test-outcome-trips")
+    try:
+        writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill)
+        async with pool.connection() as conn:  # the pool's one connection, traced throughout
+            traced = conn
+        with tempfile.TemporaryFile("w+") as trace:
+            traced.pgconn.trace(trace.fileno())
+            writing = asyncio.create_task(writer.run())
+            try:
+                status = await asyncio.wait_for(
+                    writer.submit(from_result(first.id, first.attempt, {"ok": 1},
+                                              max_bytes=1 << 20), serial=True), 30)
+            finally:
+                writing.cancel()
+                traced.pgconn.untrace()
+            trace.seek(0)
+            return status, _round_trips(trace.read())
+    finally:
+        await pool.close()
+
+
+def test_outcome_batch__with_its_refill_is_one_round_trip(
+        conn: psycopg.Connection, dsn: str) -> None:
+    first = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    second = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    refill = _Refill()
+    assert asyncio.run(_finish_traced(dsn, refill)) == ("succeeded", 1)
+    # The refill claimed the serial key's next run, released by the same transaction, and it
+    # was handed over once the transaction had committed.
+    assert [c.id for c in refill.handed] == [second]
+    assert refill.committed == [True]
+    rows: dict[uuid.UUID, str] = dict(conn.execute("SELECT id, status FROM runpool.runs WHERE id = ANY(%s)",
+                             ([first, second],)).fetchall())
+    assert rows == {first: "succeeded", second: "running"}
+
+
+class _FailingRefill(_Refill):
+    """A refill whose claim the server cancels (57014, which looks transient) after the
+    batch's finishes were sent."""
+
+    async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
+                         ) -> PendingClaim:
+        await conn.execute("SET LOCAL statement_timeout = 1")
+        await conn.execute("SELECT pg_sleep(1)")
+        return await super().statements(conn, limit)
+
+
+def test_outcome_batch__a_failing_refill_does_not_hold_the_outcomes_back(
+        conn: psycopg.Connection, dsn: str) -> None:
+    first = runpool.enqueue(conn, "acme", "noop")
+    second = runpool.enqueue(conn, "acme", "noop")
+    refill = _FailingRefill()
+    status, _ = asyncio.run(_finish_traced(dsn, refill))
+    # Rolled back, the batch went again without its refill (on the same, idle, connection).
+    assert status == "succeeded"
+    assert (refill.handed, refill.committed) == ([], [])
+    rows: dict[uuid.UUID, str] = dict(conn.execute("SELECT id, status FROM runpool.runs WHERE id = ANY(%s)",
+                             ([first, second],)).fetchall())
+    assert rows == {first: "succeeded", second: "queued"}
