@@ -44,6 +44,14 @@ class _Refill:
         self.handed.extend(claimed)
 
 
+# The runs' statuses, by id.
+STATUSES = "SELECT id, status FROM runpool.runs WHERE id = ANY(%s)"
+
+
+def _statuses(conn: psycopg.Connection, *ids: uuid.UUID) -> dict[uuid.UUID, str]:
+    return dict(conn.execute(STATUSES, (list(ids),)).fetchall())
+
+
 def _round_trips(trace: str) -> int:
     """The times the server's messages follow the client's in a libpq protocol trace."""
     sides = [f[1] for f in (line.split("\t") for line in trace.splitlines())
@@ -88,9 +96,7 @@ def test_outcome_batch__with_its_refill_is_one_round_trip(
     # was handed over once the transaction had committed.
     assert [c.id for c in refill.handed] == [second]
     assert refill.committed == [True]
-    rows: dict[uuid.UUID, str] = dict(conn.execute("SELECT id, status FROM runpool.runs WHERE id = ANY(%s)",
-                             ([first, second],)).fetchall())
-    assert rows == {first: "succeeded", second: "running"}
+    assert _statuses(conn, first, second) == {first: "succeeded", second: "running"}
 
 
 class _FailingRefill(_Refill):
@@ -113,6 +119,4 @@ def test_outcome_batch__a_failing_refill_does_not_hold_the_outcomes_back(
     # Rolled back, the batch went again without its refill (on the same, idle, connection).
     assert status == "succeeded"
     assert (refill.handed, refill.committed) == ([], [])
-    rows: dict[uuid.UUID, str] = dict(conn.execute("SELECT id, status FROM runpool.runs WHERE id = ANY(%s)",
-                             ([first, second],)).fetchall())
-    assert rows == {first: "succeeded", second: "queued"}
+    assert _statuses(conn, first, second) == {first: "succeeded", second: "queued"}
