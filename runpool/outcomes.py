@@ -9,7 +9,7 @@ import random
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Literal, Protocol
 
 import psycopg
@@ -30,8 +30,13 @@ logger = logging.getLogger("runpool.outcomes")
 # Is the database there at all? (Asked after a batch failed transiently eight times.)
 PROBE: Final = "SELECT 1"
 # How soon an outcome whose row someone else held (finish_runs answered 'busy') is written
-# again: a caller's open transaction usually ends within milliseconds.
-BUSY_RETRY_SECONDS: Final = 0.2
+# again: after 5 ms, doubling to 0.2 s. The usual holder is another worker's claim, which keeps
+# the lock of a run it passed over (taken since its snapshot) for the few milliseconds of its
+# one round trip; a caller's open transaction usually ends within milliseconds too. A fixed
+# 0.2 s held the slot 40 times longer than needed: W1 2 x 10, alternated, 3,058/3,532 runs/s
+# with 0.2 s against 3,994/4,258 with 0.01 s (python -m runpool bench --workload W1).
+BUSY_RETRY_FIRST: Final = 0.005
+BUSY_RETRY_MAX: Final = 0.2
 
 OutcomeKind = Literal["succeeded", "failed", "cancelled", "retry"]
 
@@ -138,6 +143,7 @@ class Pending:
     outcome: Outcome
     serial: bool
     done: asyncio.Future[str | None]
+    busy: int = 0  # how many times finish_runs answered 'busy' for it
 
 
 class OutcomeWriter:
@@ -221,8 +227,9 @@ class OutcomeWriter:
             status = statuses.get(pending.outcome.run_id)
             if status == "busy":
                 # Its row is held by someone else (finish_runs skips it): write it again soon.
+                delay = min(BUSY_RETRY_FIRST * 2 ** pending.busy, BUSY_RETRY_MAX)
                 asyncio.get_running_loop().call_later(
-                    BUSY_RETRY_SECONDS, self._queue.put_nowait, pending)
+                    delay, self._queue.put_nowait, replace(pending, busy=pending.busy + 1))
             elif not pending.done.done():
                 pending.done.set_result(status)
 
