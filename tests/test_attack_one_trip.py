@@ -33,6 +33,18 @@ async def _wait_lock(dsn: str, pid: int) -> None:
     raise AssertionError("the claim never waited on the tenant lock")
 
 
+
+def _held_tenant_and_a_free_one(conn: psycopg.Connection, dsn: str) -> psycopg.Connection:
+    """A run of quota'd tenant 'held' and one of 'free'; the returned (hostile) connection holds
+    'held''s row in an open transaction."""
+    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
+    runpool.enqueue(conn, "held", "noop")
+    runpool.enqueue(conn, "free", "noop")
+    conn.commit()
+    hostile = psycopg.connect(dsn)
+    hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+    return hostile
+
 def test_one_trip__a_claim_cancelled_while_blocked_rolls_back_and_leaves_idle(
         conn: psycopg.Connection, dsn: str) -> None:
     conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
@@ -155,12 +167,7 @@ def test_one_trip__a_lock_timeout_in_the_locks_rolls_back_and_the_next_trip_clai
     """A hostile open transaction holds a quota'd tenant's row: the trip's lock_tenants hits
     lock_timeout, the server skips the claim and COMMIT, one_trip rolls back, and the same
     connection's next trip (the hostile gone) claims every tenant's run."""
-    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
-    runpool.enqueue(conn, "held", "noop")
-    runpool.enqueue(conn, "free", "noop")
-    conn.commit()
-    hostile = psycopg.connect(dsn)
-    hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+    hostile = _held_tenant_and_a_free_one(conn, dsn)
 
     async def main() -> tuple[object, str, int]:
         async with await aconnect(dsn, autocommit=True) as c:
@@ -212,12 +219,7 @@ def test_one_trip__through_pgbouncer_a_cancelled_claim_leaves_nothing_to_the_nex
     waits on a tenant lock is cancelled and rolled back on the server connection, and the next
     client handed that connection sees no transaction and no runpool.claim_tenants, and its
     own claim takes every run."""
-    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
-    runpool.enqueue(conn, "held", "noop")
-    runpool.enqueue(conn, "free", "noop")
-    conn.commit()
-    hostile = psycopg.connect(dsn)
-    hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+    hostile = _held_tenant_and_a_free_one(conn, dsn)
 
     async def main(through: str) -> tuple[object, tuple[object, ...] | None, int]:
         a = await aconnect(through, autocommit=True, stateless=True)
