@@ -225,6 +225,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="--bloat: seconds between two report lines (default 60)")
     p.add_argument("--pin-xmin", type=float, default=0.0, metavar="SECONDS",
                    help="--bloat: hold a snapshot open this long from a third of the way in")
+    p.add_argument("--pin-at", type=float, default=None, metavar="SECONDS",
+                   help="--bloat: start the pinned snapshot this many seconds in instead")
     p.add_argument("--max-runs", type=int, default=None, help="--bloat: stop after this many")
     p.add_argument("--min-runs", type=int, default=0,
                    help="--soak: go on past MINUTES until this many runs were enqueued")
@@ -264,7 +266,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .harness.bloat import run_bloat_soak
 
         return run_bloat_soak(settings, args.soak, retention=args.retention, every=args.every,
-                              pin_xmin=args.pin_xmin, max_runs=args.max_runs, plot=args.plot)
+                              pin_xmin=args.pin_xmin, pin_at=args.pin_at, max_runs=args.max_runs,
+                              plot=args.plot)
     if args.command == "bench" and args.soak is not None:
         from .harness.soak import run_soak
 
