@@ -16,7 +16,7 @@ import pytest
 import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect
-from runpool.harness.workloads import ORDER_VIOLATIONS
+from runpool.harness.throughput_workloads import ORDER_VIOLATIONS
 from runpool.queries import QUERIES
 from runpool.testing import Watch
 from tests.helpers import (

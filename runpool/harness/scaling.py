@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .agent_workloads import w11_agent_load
-from .workloads import w1_throughput
+from .throughput_workloads import w1_throughput
 
 __all__ = ["POINTS", "main", "measure", "plot"]
 

@@ -14,8 +14,8 @@ from ..enqueue import RunSpec, enqueue_many
 from ..testing.databases import scratch_database
 from ..testing.pools import running_pool
 from ..waits import signal_run
+from .claim_workloads import LOAD_BACKLOG, LOAD_TENANTS, claim_latencies
 from .measure import COUNT_DONE, LIVE_WORKERS, percentile, wait_until
-from .workloads import LOAD_BACKLOG, LOAD_TENANTS, claim_latencies
 
 __all__ = ["w14_waits"]
 
