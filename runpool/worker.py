@@ -2,8 +2,9 @@
 
 It wakes on a doorbell NOTIFY, when a slot frees, and on a jittered poll timer (the fallback
 for lost notifications); it holds every run under a lease it renews in one statement per beat.
-The parts: this module claims and drains; runpool.runner runs each slot (runpool.slot holds
-its state), runpool.leases keeps the leases, runpool.cancellation confirms cancel notices.
+The parts: this module claims; runpool.runner runs each slot (runpool.slot holds its state),
+runpool.leases keeps the leases, runpool.cancellation confirms cancel notices, runpool.drain
+finishes or releases the runs in flight at shutdown.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .claim_times import ClaimTimes
 from .claiming import ClaimedRun, PendingClaim, claim, claim_statements
 from .db import application_name, open_pool
 from .deadlines import bounded
+from .drain import drain
 from .errors import WorkerFailed
 from .exits import EXIT_STUCK
 from .leases import Cadence, LeaseKeeper
@@ -41,7 +43,7 @@ from .retention import Purger
 from .runner import SlotRunner
 from .scheduler import Scheduler, upsert_schedules
 from .settings import Settings
-from .slot import Slot, Slots, StopReason
+from .slot import Slot, Slots
 from .tasks import cancel_all
 
 __all__ = ["Worker"]
@@ -362,51 +364,6 @@ class Worker:
         if hurry:
             self._hurry.set()
 
-    # -- shutdown ----------------------------------------------------------------------------
-
     async def _drain(self, abort: asyncio.Event) -> None:
-        tasks = {s.task for s in self.slots}
-        hurry = (abort, self._hurry)
-        if tasks and not any(e.is_set() for e in hurry):
-            logger.info("draining %d runs for up to %.1fs", len(tasks),
-                        self.settings.grace_seconds, extra={"action": "drain", **self._log})
-            deadline = time.monotonic() + self.settings.grace_seconds
-            aborted = [asyncio.ensure_future(e.wait()) for e in hurry]
-            while (tasks and not any(e.is_set() for e in hurry)
-                   and (left := deadline - time.monotonic()) > 0):
-                done, _ = await asyncio.wait(
-                    [*tasks, *aborted], timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                tasks -= done
-            for waiter in aborted:
-                waiter.cancel()
-        unfinished = [s for s in self.slots if not s.finishing]
-        for slot in unfinished:
-            slot.shut_down()
-        pending = [s.task for s in self.slots if not s.given_up]
-        if pending:
-            await asyncio.wait(pending, timeout=5)
-        # Decided once: a thread ending after this is left to its lease too (safe either way).
-        stuck = [s for s in self.slots if s.threads_running]
-        if stuck and self._runner is not None:
-            self._runner.give_up([s for s in stuck if not s.given_up], "outlived the drain")
-        held = {s.claimed.id for s in stuck}
-        await self._release([s for s in unfinished if s.stop_reason is StopReason.SHUTDOWN
-                             and s.claimed.id not in held])
-        # The stuck runs' tasks stay (their leases renewed) until the worker's last moment;
-        # asyncio.run cancels them then, and they no longer wait for their threads.
-
-    async def _release(self, slots: list[Slot]) -> None:
-        if not slots or self._pool is None:
-            return
-        try:
-            async with bounded(self._pool, 5) as conn:
-                await conn.execute(QUERIES["release_runs"], {
-                    "ids": [s.claimed.id for s in slots],
-                    "attempts": [s.claimed.attempt for s in slots],
-                    "worker_id": self.id,
-                })
-            logger.info("released %d runs", len(slots),
-                        extra={"action": "runs_released", **self._log})
-        except Exception as exc:
-            logger.warning("could not release %d runs (their leases will expire): %s",
-                           len(slots), exc, extra={"action": "release_failed", **self._log})
+        await drain(self.slots, self._runner, self._pool, hurry=(abort, self._hurry),
+                    grace=self.settings.grace_seconds, worker_id=self.id, log=self._log)
