@@ -69,6 +69,10 @@ WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
 BACKENDS: Final = """
 SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()
 """
+# Fewer runs than this in a window (the drain's tail) report no CPU per run: what the pool
+# spends anyway (autovacuum, the probe, heartbeats) divided by a handful of runs is no cost
+# of a run (the million-run soak's last minute showed 388 ms "a run").
+MIN_RUNS_FOR_CPU: Final = 100
 UNFINISHED: Final = "SELECT count(*) FROM runpool.runs WHERE status IN ('queued', 'running')"
 
 
@@ -146,7 +150,7 @@ def _cpu(conn: psycopg.Connection[Any], pool_pid: int) -> dict[str, float]:
 
 def _per_run_ms(before: dict[str, float], after: dict[str, float], runs: int) -> dict[str, Any]:
     """Worker and backend CPU per run between two samples (backends alive at both)."""
-    if runs <= 0:
+    if runs < MIN_RUNS_FOR_CPU:
         return {"worker_cpu_ms_per_run": None, "db_cpu_ms_per_run": None}
     db = sum(after[k] - before[k] for k in after if k != "workers" and k in before)
     return {"worker_cpu_ms_per_run": round((after["workers"] - before["workers"]) * 1000 / runs, 3),
