@@ -36,7 +36,8 @@ def test_bloat_soak__short_run_reports_sizes_latency_and_the_pinned_xmin(
     plot = tmp_path / "soak.png"
     out = subprocess.run(
         [sys.executable, "-m", "runpool", "bench", "--soak", "0.2", "--bloat", "--every", "3",
-         "--retention", "2", "--pin-xmin", "7", "--pin-at", "4", "--plot", str(plot), "--dsn", server_dsn],
+         "--retention", "2", "--pin-xmin", "7", "--pin-at", "4", "--plot", str(plot),
+         "--dsn", server_dsn],
         env=pool_env(server_dsn), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
