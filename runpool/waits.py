@@ -289,7 +289,10 @@ class WaitMethods:
     """A Run's durable waits and child runs (runpool.Run inherits them): each delegates to
     the attempt's Waits."""
 
-    _waits: Waits
+    @property
+    def _waits(self) -> Waits:
+        """The attempt's Waits (runpool.attempt makes it at the first use)."""
+        raise NotImplementedError
 
     async def wait_for(self, name: str, timeout: float | None = None) -> Any:  # noqa: ASYNC109
         """The payload of the next signal `name` (runpool.signal_run); the run leaves its slot
