@@ -187,11 +187,15 @@ class OutcomeWriter:
         self._worker_id = worker_id
         self._refill = refill
         self._queue: asyncio.Queue[Pending] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def submit(self, outcome: Outcome, *, serial: bool = False) -> str | None:
         """Record an outcome (`serial`: of a run with a serial key); returns the run's new
         status, or None if the attempt no longer held its lease (the write was fenced)."""
-        done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        if loop is None:  # (asked once: asyncio.get_running_loop() costs a getpid on 3.11)
+            loop = self._loop = asyncio.get_running_loop()
+        done: asyncio.Future[str | None] = loop.create_future()
         await self._queue.put(Pending(outcome, serial, done))
         return await done
 
