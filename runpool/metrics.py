@@ -32,6 +32,7 @@ the hot path one lookup.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
@@ -40,7 +41,6 @@ from typing import Any, Final
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
-from opentelemetry.sdk.metrics import MeterProvider
 
 __all__ = ["activate", "attempt_ended", "attempt_started", "cancel_ended", "cancelled",
            "claimed", "lease_lost"]
@@ -71,7 +71,10 @@ def activate(provider: Any, *, worker_id: uuid.UUID, busy: Callable[[], int],
     """Record the calling task's (and what it starts) metrics through `provider`, else the
     global provider; off when that is the API's default (no SDK provider installed)."""
     chosen = provider or metrics.get_meter_provider()
-    if not isinstance(chosen, MeterProvider):
+    # The SDK, only if someone loaded it (no provider can be its otherwise): importing it
+    # cost every worker process ~70 ms of CPU at start (python -X importtime).
+    sdk = sys.modules.get("opentelemetry.sdk.metrics")
+    if sdk is None or not isinstance(chosen, sdk.MeterProvider):
         # The API's own (a proxy or no-op): nothing would be recorded anyway.
         _instruments.set(None)
         return
