@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import uuid
+from typing import Any
 
 import psycopg
 from psycopg import _queries
@@ -35,8 +36,9 @@ def test_statements__keep_their_first_line_only_of_their_comments() -> None:
 
 
 # Values whose JSON text an array literal must quote and escape.
-AWKWARD = [{"a": 'q"uo\\te', "u": "ünï\u2028 {x,y} NULL", "n": [1, 2.5, None]}, "NULL", None,
-           'x"', "\\", {"": "}"}, "", [], {"nested": {"\\\"": ["{", "}", ","]}}]
+AWKWARD: list[Any] = [
+    {"a": 'q"uo\\te', "u": "ünï\u2028 {x,y} NULL", "n": [1, 2.5, None]}, "NULL", None, 'x"',
+    "\\", {"": "}"}, "", [], {"nested": {"\\\"": ["{", "}", ","]}}]
 
 
 async def _claim(dsn: str, n: int) -> list[tuple[uuid.UUID, int]]:
@@ -56,10 +58,11 @@ def test_finish_params__store_awkward_results_and_errors_exactly(
     last_id, last_attempt = runs[-1]
     outcomes.append(retry_after(last_id, last_attempt, 1, 60.0,
                                 dumps({"reason": "exception", "message": 'say "\\n"'})))
-    statuses = dict(conn.execute(QUERIES["finish_runs"], finish_params(outcomes)).fetchall())
+    statuses: dict[uuid.UUID, str] = dict(
+        conn.execute(QUERIES["finish_runs"], finish_params(outcomes)).fetchall())
     assert statuses == {**{r: "succeeded" for r, _ in runs[:-1]}, last_id: "queued"}
-    stored = dict(conn.execute("SELECT id, result FROM runpool.runs WHERE status = 'succeeded'"
-                               ).fetchall())
+    stored: dict[uuid.UUID, Any] = dict(conn.execute(
+        "SELECT id, result FROM runpool.runs WHERE status = 'succeeded'").fetchall())
     assert [stored[r] for r, _ in runs[:-1]] == AWKWARD
     error, delay = conn.execute(
         "SELECT error, extract(epoch FROM available_at - now()) FROM runpool.runs"
