@@ -21,8 +21,10 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
+import orjson
 import psycopg
 from psycopg.rows import class_row
+from psycopg.types.json import Jsonb
 
 from .models import CallMismatch, Message, ToolCall, lease_lost
 
@@ -155,6 +157,70 @@ WHERE run_id = (SELECT id FROM fence) AND call_id = %(call_id)s AND status = 'st
 RETURNING 1
 """
 
+# -- Batches: many runs' writes of one kind in one statement (a worker's group commit, one
+# write per run). The writes come as one JSON array (Statement.batch_params), so a batch of 20 costs
+# one statement's parse, bind and executor start on the server and one execute in psycopg,
+# not 20. Each write is fenced as its one-statement form above is (the run row share-locked,
+# in id order, only while its attempt holds it); each returns its run id and what its single
+# statement returns; a write refused finds no row and is answered as its single form's is.
+# (Static text joined below; nothing in it is dynamic.)
+BATCH_FENCE: Final = """
+WITH fence AS (
+    SELECT r.id, r.event_seq, w.*
+    FROM jsonb_to_recordset(%(rows)s) AS w(run_id uuid, attempt integer, role text,
+                                          content jsonb, call_id text, name text,
+                                          arguments jsonb, status text, result jsonb)
+    JOIN runpool.runs r ON r.id = w.run_id AND r.attempt = w.attempt AND r.status = 'running'
+    ORDER BY r.id
+    FOR SHARE OF r
+)"""
+# Each fenced write's seqs from its run's counter row (EVENT, for many runs).
+BATCH_EVENT: Final = """,
+event AS (
+    INSERT INTO runpool.event_seqs AS s (run_id, seq)
+    SELECT fence.id, fence.event_seq + %(events)s FROM fence ORDER BY fence.id
+    ON CONFLICT ON CONSTRAINT event_seqs_pkey DO UPDATE SET seq = s.seq + %(events)s
+    RETURNING s.run_id, s.seq, runpool._ring(s.run_id)
+)"""
+# INSERT_MESSAGE for many runs: each run's message at its next sequence number.
+BATCH_MESSAGE: Final = BATCH_FENCE + BATCH_EVENT + """
+INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id, event_seq)
+SELECT f.id,
+       coalesce((SELECT max(m.seq) FROM runpool.messages m WHERE m.run_id = f.id), 0) + 1,
+       f.role, f.content, f.attempt, NULL, event.seq
+FROM fence f JOIN event ON event.run_id = f.id
+RETURNING run_id, seq
+"""
+# INSERT_INTENT for many runs.
+BATCH_INTENT: Final = BATCH_FENCE + BATCH_EVENT + """
+INSERT INTO runpool.tool_calls AS t (run_id, call_id, name, arguments, status, attempt,
+                                     started_seq)
+SELECT f.id, f.call_id, f.name, f.arguments, 'started', f.attempt, event.seq
+FROM fence f JOIN event ON event.run_id = f.id
+ON CONFLICT (run_id, call_id) DO UPDATE
+    SET attempt = excluded.attempt, started_at = now(), executions = t.executions + 1,
+        started_seq = excluded.started_seq, finished_seq = NULL
+    WHERE t.status = 'started' AND t.attempt < excluded.attempt
+      AND t.name = excluded.name AND t.arguments = excluded.arguments
+RETURNING run_id, executions
+"""
+# FINISH_CALL for many runs: each call's outcome and its tool message.
+BATCH_FINISH: Final = BATCH_FENCE + BATCH_EVENT + """,
+finished AS (
+    UPDATE runpool.tool_calls t SET status = f.status, result = f.result, finished_at = now(),
+        finished_seq = event.seq - 1
+    FROM fence f JOIN event ON event.run_id = f.id
+    WHERE t.run_id = f.id AND t.call_id = f.call_id AND t.status = 'started'
+    RETURNING t.run_id
+)
+INSERT INTO runpool.messages (run_id, seq, role, content, attempt, call_id, event_seq)
+SELECT f.id,
+       coalesce((SELECT max(m.seq) FROM runpool.messages m WHERE m.run_id = f.id), 0) + 1,
+       f.role, f.content, f.attempt, f.call_id, event.seq
+FROM finished JOIN fence f ON f.id = finished.run_id JOIN event ON event.run_id = f.id
+RETURNING run_id, seq
+"""
+
 
 async def _nothing_written(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
                            attempt: int, what: str) -> Exception:
@@ -216,11 +282,37 @@ class Statement:
     query: str
     params: dict[str, Any]
     answer: Callable[[psycopg.AsyncConnection[Any], Any], Awaitable[int]]
+    # The same write as one element of a batch (the BATCH_* statement of its kind and this
+    # write's element of its JSON array); None when the caller gave no encoded JSON.
+    batch: str | None = None
+    row: bytes = b""
 
     async def run(self, conn: psycopg.AsyncConnection[Any]) -> int:
         """The write on its own: the statement, then its answer."""
         cur = await conn.execute(self.query, self.params)
         return await self.answer(conn, await cur.fetchone())
+
+    def batch_params(self, rows: list[bytes]) -> dict[str, Any]:
+        """The params of this write's batch statement carrying `rows` (writes of its kind,
+        one per run): the rows as one JSON array, and the event seqs each write takes."""
+        return {"rows": Jsonb(b"[" + b",".join(rows) + b"]", dumps=_as_is),
+                "events": self.params["events"]}
+
+
+def _row(params: dict[str, Any], **encoded: bytes) -> bytes:
+    """A write's element of a batch's JSON array: its scalar params, and its JSON values as
+    the caller encoded them (spliced in, not encoded again)."""
+    head = orjson.dumps({k: str(v) if k == "run_id" else v for k, v in params.items()
+                         if k in _SCALARS})
+    return head[:-1] + b"".join(b',"%s":%s' % (k.encode(), v) for k, v in encoded.items()) + b"}"
+
+
+# The params a batch row carries as they are (its JSON values are the caller's encoded bytes).
+_SCALARS: Final = frozenset({"run_id", "attempt", "role", "call_id", "name", "status"})
+
+
+def _as_is(data: Any) -> Any:
+    return data
 
 
 def _written(params: dict[str, Any], refused: str, done: str | None = None
@@ -249,11 +341,16 @@ async def find_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, at
     return None if row is None else int(row[0])
 
 
-def message_write(run_id: uuid.UUID, attempt: int, role: str, content: Any) -> Statement:
-    """append_message() as a Statement."""
+def message_write(run_id: uuid.UUID, attempt: int, role: str, content: Any, *,
+                  encoded: bytes | None = None) -> Statement:
+    """append_message() as a Statement; `encoded`, content's JSON text, makes it batchable."""
     params = {"run_id": run_id, "attempt": attempt, "role": role, "content": content,
               "events": 1}
-    return Statement(INSERT_MESSAGE, params, _written(params, "no message written"))
+    answer = _written(params, "no message written")
+    if encoded is None:
+        return Statement(INSERT_MESSAGE, params, answer)
+    return Statement(INSERT_MESSAGE, params, answer, BATCH_MESSAGE,
+                     _row(params, content=encoded))
 
 
 async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
@@ -262,9 +359,10 @@ async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, 
     return await message_write(run_id, attempt, role, content).run(conn)
 
 
-def intent_write(run_id: uuid.UUID, attempt: int, call_id: str, name: str, arguments: Any
-                 ) -> Statement:
-    """record_tool_intent() as a Statement."""
+def intent_write(run_id: uuid.UUID, attempt: int, call_id: str, name: str, arguments: Any,
+                 *, encoded: bytes | None = None) -> Statement:
+    """record_tool_intent() as a Statement; `encoded`, arguments' JSON text, makes it
+    batchable."""
     params = {"run_id": run_id, "attempt": attempt, "call_id": call_id, "name": name,
               "arguments": arguments, "events": 1}
 
@@ -273,7 +371,10 @@ def intent_write(run_id: uuid.UUID, attempt: int, call_id: str, name: str, argum
             return int(row[0])
         return await _intent_refused(conn, params)
 
-    return Statement(INSERT_INTENT, params, answer)
+    if encoded is None:
+        return Statement(INSERT_INTENT, params, answer)
+    return Statement(INSERT_INTENT, params, answer, BATCH_INTENT,
+                     _row(params, arguments=encoded))
 
 
 async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
@@ -299,13 +400,19 @@ async def _intent_refused(conn: psycopg.AsyncConnection[Any], params: dict[str, 
 
 
 def result_write(run_id: uuid.UUID, attempt: int, call_id: str, *, status: str, result: Any,
-                 message_role: str, message_content: Any) -> Statement:
-    """commit_tool_result() as a Statement."""
+                 message_role: str, message_content: Any,
+                 encoded: tuple[bytes, bytes] | None = None) -> Statement:
+    """commit_tool_result() as a Statement; `encoded`, the JSON text of result and of
+    message_content, makes it batchable."""
     params = {"run_id": run_id, "attempt": attempt, "call_id": call_id, "status": status,
               "result": result, "role": message_role, "content": message_content,
               "statuses": ["succeeded", "failed"], "events": 2}
-    return Statement(FINISH_CALL, params, _written(
-        params, f"tool call {call_id!r} of run {run_id} is not in progress", CALL_MESSAGE))
+    answer = _written(params, f"tool call {call_id!r} of run {run_id} is not in progress",
+                      CALL_MESSAGE)
+    if encoded is None:
+        return Statement(FINISH_CALL, params, answer)
+    return Statement(FINISH_CALL, params, answer, BATCH_FINISH,
+                     _row(params, result=encoded[0], content=encoded[1]))
 
 
 async def commit_tool_result(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,

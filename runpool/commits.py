@@ -56,6 +56,11 @@ class Statement(Protocol):
     def params(self) -> dict[str, Any]: ...
     @property
     def answer(self) -> Callable[[psycopg.AsyncConnection[Any], Any], Awaitable[Any]]: ...
+    @property
+    def batch(self) -> str | None: ...
+    @property
+    def row(self) -> bytes: ...
+    def batch_params(self, rows: list[bytes]) -> dict[str, Any]: ...
 
 # Batches in flight at once before writes start to wait and group: few enough that a loaded
 # worker's writes batch (W11: 2,000 runs in flight), and a pool's other users (claims,
@@ -88,10 +93,12 @@ class CommitGroup:
         self._queue: deque[_Write] = deque()
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        # Commits made, writes they carried, and of those the ones sent in a pipeline.
+        # Commits made, writes they carried, of those the ones sent in a pipeline, and the
+        # statements those were sent as (a batch statement carries many runs' writes).
         self.commits = 0
         self.writes = 0
         self.pipelined = 0
+        self.statements = 0
 
     async def write(self, op: Op, seconds: float, *, what: str,
                     log: dict[str, str] | None = None,
@@ -196,20 +203,29 @@ class CommitGroup:
         database failed one (in a pipeline, the error may surface at any of them): the writes
         to go again one by one, the batch to be rolled back."""
         sent: list[tuple[_Write, Statement, psycopg.AsyncCursor[Any]]] = []
+        batches: list[tuple[list[tuple[_Write, Statement]], psycopg.AsyncCursor[Any]]] = []
         try:
             async with conn.pipeline():
-                for w in piped:
-                    if w.statement is not None and not w.done.done():
-                        sent.append((w, w.statement,
-                                     await conn.execute(w.statement.query, w.statement.params)))
+                for kind in _kinds(piped):
+                    if len(kind) > 1:
+                        first = kind[0][1]
+                        assert first.batch is not None
+                        batches.append((kind, await conn.execute(
+                            first.batch, first.batch_params([st.row for _, st in kind]))))
+                    else:
+                        w, statement = kind[0]
+                        sent.append((w, statement,
+                                     await conn.execute(statement.query, statement.params)))
+                self.statements += len(batches) + len(sent)
+                for kind, cur in batches:
+                    # A batch returns (run id, value) of each write it made.
+                    made = {key: value for key, value in await cur.fetchall()}
+                    for w, statement in kind:
+                        value = made.get(statement.params["run_id"], _NONE)
+                        await _answer_from(conn, w, statement,
+                                           None if value is _NONE else (value,), results)
                 for w, statement, cur in sent:
-                    try:
-                        results.append((w, await statement.answer(conn, await cur.fetchone())))
-                    except psycopg.Error:
-                        raise
-                    except Exception as exc:
-                        # Refused without an error (LeaseLost, CallMismatch): nothing written.
-                        _answer(w, exc=exc)
+                    await _answer_from(conn, w, statement, await cur.fetchone(), results)
         except psycopg.Error:
             if conn.broken or conn.closed:
                 raise  # the connection itself: every write is answered with it
@@ -222,6 +238,41 @@ class CommitGroup:
                     again.append(w)
             return again
         return []
+
+
+_NONE: Final = object()
+
+
+def _kinds(piped: list[_Write]) -> list[list[tuple[_Write, Statement]]]:
+    """The writes to send, by statement: those of one batch kind together (one per run: a
+    run's second write in a batch, never made by a worker, goes alone after), the rest (a
+    kind with one write, a write without a batch form) each alone."""
+    kinds: dict[str, list[tuple[_Write, Statement]]] = {}
+    alone: list[list[tuple[_Write, Statement]]] = []
+    runs: set[Any] = set()
+    for w in piped:
+        statement = w.statement
+        if statement is None or w.done.done():
+            continue
+        if statement.batch is None or statement.params["run_id"] in runs:
+            alone.append([(w, statement)])
+        else:
+            runs.add(statement.params["run_id"])
+            kinds.setdefault(statement.batch, []).append((w, statement))
+    return [*kinds.values(), *alone]
+
+
+async def _answer_from(conn: psycopg.AsyncConnection[Any], w: _Write, statement: Statement,
+                       row: Any, results: list[tuple[_Write, Any]]) -> None:
+    """A pipelined write's answer of the row its statement returned, into `results`."""
+    try:
+        results.append((w, await statement.answer(conn, row)))
+    except psycopg.Error:
+        raise
+    except Exception as exc:
+        # Refused without an error (LeaseLost, CallMismatch): nothing written.
+        _answer(w, exc=exc)
+
 
 def _answer(w: _Write, *, result: Any = None, exc: BaseException | None = None) -> None:
     if w.done.done():

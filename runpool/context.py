@@ -44,7 +44,8 @@ class Run(ToolCalls, WaitMethods):
         data = self._encode(content, "message content")
         pool = self._writable()
 
-        first = checkpoints.message_write(self.id, self.attempt, role, jsonb(data))
+        first = checkpoints.message_write(self.id, self.attempt, role, jsonb(data),
+                                          encoded=data)
 
         async def append(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
             if tries:  # the earlier try may have committed before its connection broke

@@ -130,7 +130,7 @@ class ToolCalls(Attempt):
             async with self._write_lock:
                 # Committed before the tool runs: a crash from here on leaves the evidence.
                 intent = checkpoints.intent_write(self.id, self.attempt, call_id, name,
-                                                  jsonb(args))
+                                                  jsonb(args), encoded=args)
                 await self._db(pool, "tool intent write", lambda conn, _: intent.run(conn),
                                intent)
         except CallMismatch as exc:
@@ -163,7 +163,8 @@ class ToolCalls(Attempt):
         """Commit a finished call's outcome with its tool message; its committed JSON value."""
         commit = checkpoints.result_write(self.id, self.attempt, call_id, status=status,
                                           result=jsonb(data), message_role="tool",
-                                          message_content=jsonb(data))
+                                          message_content=jsonb(data),
+                                          encoded=(data, data))
         async with self._write_lock:
             while True:
                 try:

@@ -68,8 +68,17 @@ def _agents(dsn: str, ids: list[uuid.UUID], *, boom: uuid.UUID | None = None,
             stateless: bool = False, meanwhile: Any = None) -> tuple[list[Any], int]:
     """TURNS turns (a tool call, a message) of each run at once through one CommitGroup; each
     run's outcome (None or its exception) and how many writes went in a pipeline."""
+    out, pipelined, _ = _agents_counted(dsn, ids, boom=boom, stateless=stateless,
+                                        meanwhile=meanwhile)
+    return out, pipelined
 
-    async def main() -> tuple[list[Any], int]:
+
+def _agents_counted(dsn: str, ids: list[uuid.UUID], *, boom: uuid.UUID | None = None,
+                    stateless: bool = False, meanwhile: Any = None
+                    ) -> tuple[list[Any], int, int]:
+    """_agents(), and the statements the pipelined writes were sent as."""
+
+    async def main() -> tuple[list[Any], int, int]:
         pool = await open_pool(dsn, size=6, name="attack-pipeline", stateless=stateless)
         try:
             group = CommitGroup(pool)
@@ -88,7 +97,7 @@ def _agents(dsn: str, ids: list[uuid.UUID], *, boom: uuid.UUID | None = None,
             if meanwhile is not None:
                 await meanwhile()
             out = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
-            return list(out), group.pipelined
+            return list(out), group.pipelined, group.statements
         finally:
             await pool.close()
 
@@ -119,8 +128,11 @@ def test_a_zombie_and_a_failing_statement_in_pipelined_batches(dsn: str) -> None
         conn.execute("UPDATE runpool.runs SET attempt = 2 WHERE id = %s", (zombie,))
         before = conn.execute("SELECT event_seq FROM runpool.runs WHERE id = %s",
                               (zombie,)).fetchone()
-    out, pipelined = _agents(dsn, ids, boom=boom)
+    out, pipelined, statements = _agents_counted(dsn, ids, boom=boom)
     assert pipelined > 0
+    # Batched: a batch's writes of one kind (a message, a tool call's start, its end) went as
+    # one statement, the zombie's and the failing run's among them.
+    assert statements < pipelined / 2, (statements, pipelined)
     assert isinstance(out[ids.index(zombie)], LeaseLost)
     assert isinstance(out[ids.index(boom)], psycopg.errors.RaiseException)
     assert [i for i, o in zip(ids, out, strict=True) if o is not None] == [zombie, boom]

@@ -149,6 +149,11 @@ class _Statement:
     query: str
     params: dict[str, Any]
     answer: Callable[[psycopg.AsyncConnection[Any], Any], Awaitable[Any]]
+    batch: None = None
+    row: bytes = b""
+
+    def batch_params(self, rows: list[bytes]) -> dict[str, Any]:
+        raise AssertionError("a write without a batch form is never batched")
 
 
 def _statement(x: int) -> tuple[Any, _Statement]:
