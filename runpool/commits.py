@@ -21,6 +21,12 @@ their answers are read after: a batch costs one round trip, not one per write (W
 writes a batch). A statement the database fails in a pipeline cannot be told from the others
 it aborted: the batch is rolled back and its statements go again one by one, as above.
 
+A write whose Statement has a batch form (checkpoints.store BATCH_*: the write as one element
+of a JSON array) goes with the batch's other writes of its kind in one statement: a batch of
+first tries is BEGIN, a statement per kind (a message, a tool call's start, its end) and
+COMMIT behind one Sync, one round trip (three before: BEGIN, the pipeline, COMMIT); their
+answers are read after the commit (W11cpu: ~27 writes a batch, three statements).
+
 The writes of one run are serialised by the run (Run._write_lock): a run is in at most one
 batch at a time, and a batch's row locks are of distinct runs, so batches never wait for each
 other.
@@ -38,6 +44,7 @@ import psycopg
 from psycopg import pq
 from psycopg_pool import AsyncConnectionPool
 
+from .db import one_trip
 from .deadlines import again, bounded
 
 __all__ = ["CommitGroup", "Statement"]
@@ -162,6 +169,9 @@ class CommitGroup:
         _answer(w, result=result)
 
     async def _together(self, batch: list[_Write], seconds: float) -> None:
+        if all(w.statement is not None for w in batch):
+            await self._one_trip(batch, seconds)
+            return
         results: list[tuple[_Write, Any]] = []
         again_later: list[_Write] = []
         try:
@@ -197,35 +207,47 @@ class CommitGroup:
         for w, result in results:
             _answer(w, result=result)
 
+    async def _one_trip(self, batch: list[_Write], seconds: float) -> None:
+        """A batch of first tries (each a Statement) in one round trip: BEGIN, its statements
+        (a batch statement per kind) and COMMIT behind one Sync, then their answers read.
+        If the database failed one, nothing was committed: the writes go again one by one."""
+        async with bounded(self._pool, seconds) as conn:
+            sent: list[tuple[list[tuple[_Write, Statement]], psycopg.AsyncCursor[Any]]] = []
+            try:
+                async with one_trip(conn):
+                    for kind in _kinds(batch):
+                        sent.append((kind, await _send(conn, kind)))
+            except psycopg.Error:
+                if conn.broken or conn.closed:
+                    raise  # the connection itself: every write is answered with it
+                again_later = [w for w in batch if not w.done.done()]
+                for w in again_later:
+                    w.statement = None
+                self._queue.extendleft(reversed(again_later))
+                return
+            self.commits += 1
+            self.statements += len(sent)
+            # Committed: the answers (reading back, or explaining, a write that wrote nothing
+            # on this connection, after the commit: what they read no longer changes).
+            results: list[tuple[_Write, Any]] = []
+            for kind, cur in sent:
+                await _answers(conn, kind, cur, results)
+        self.writes += len(results)
+        self.pipelined += len(results)
+        for w, result in results:
+            _answer(w, result=result)
+
     async def _pipelined(self, conn: psycopg.AsyncConnection[Any], piped: list[_Write],
                          results: list[tuple[_Write, Any]]) -> list[_Write]:
         """Send the statements at once, then read their answers into `results`. If the
         database failed one (in a pipeline, the error may surface at any of them): the writes
         to go again one by one, the batch to be rolled back."""
-        sent: list[tuple[_Write, Statement, psycopg.AsyncCursor[Any]]] = []
-        batches: list[tuple[list[tuple[_Write, Statement]], psycopg.AsyncCursor[Any]]] = []
         try:
             async with conn.pipeline():
-                for kind in _kinds(piped):
-                    if len(kind) > 1:
-                        first = kind[0][1]
-                        assert first.batch is not None
-                        batches.append((kind, await conn.execute(
-                            first.batch, first.batch_params([st.row for _, st in kind]))))
-                    else:
-                        w, statement = kind[0]
-                        sent.append((w, statement,
-                                     await conn.execute(statement.query, statement.params)))
-                self.statements += len(batches) + len(sent)
-                for kind, cur in batches:
-                    # A batch returns (run id, value) of each write it made.
-                    made = {key: value for key, value in await cur.fetchall()}
-                    for w, statement in kind:
-                        value = made.get(statement.params["run_id"], _NONE)
-                        await _answer_from(conn, w, statement,
-                                           None if value is _NONE else (value,), results)
-                for w, statement, cur in sent:
-                    await _answer_from(conn, w, statement, await cur.fetchone(), results)
+                sent = [(kind, await _send(conn, kind)) for kind in _kinds(piped)]
+                self.statements += len(sent)
+                for kind, cur in sent:
+                    await _answers(conn, kind, cur, results)
         except psycopg.Error:
             if conn.broken or conn.closed:
                 raise  # the connection itself: every write is answered with it
@@ -260,6 +282,30 @@ def _kinds(piped: list[_Write]) -> list[list[tuple[_Write, Statement]]]:
             runs.add(statement.params["run_id"])
             kinds.setdefault(statement.batch, []).append((w, statement))
     return [*kinds.values(), *alone]
+
+
+async def _send(conn: psycopg.AsyncConnection[Any], kind: list[tuple[_Write, Statement]]
+                ) -> psycopg.AsyncCursor[Any]:
+    """Send the writes of one kind (_kinds): as their batch statement, or one alone."""
+    first = kind[0][1]
+    if len(kind) == 1:
+        return await conn.execute(first.query, first.params)
+    assert first.batch is not None
+    return await conn.execute(first.batch, first.batch_params([st.row for _, st in kind]))
+
+
+async def _answers(conn: psycopg.AsyncConnection[Any], kind: list[tuple[_Write, Statement]],
+                   cur: psycopg.AsyncCursor[Any], results: list[tuple[_Write, Any]]) -> None:
+    """The answers of the writes of one kind sent by _send, into `results`."""
+    if len(kind) == 1:
+        w, statement = kind[0]
+        await _answer_from(conn, w, statement, await cur.fetchone(), results)
+        return
+    # A batch returns (run id, value) of each write it made.
+    made = {key: value for key, value in await cur.fetchall()}
+    for w, statement in kind:
+        value = made.get(statement.params["run_id"], _NONE)
+        await _answer_from(conn, w, statement, None if value is _NONE else (value,), results)
 
 
 async def _answer_from(conn: psycopg.AsyncConnection[Any], w: _Write, statement: Statement,

@@ -62,6 +62,7 @@ async def _turns(dsn: str, ids: list[uuid.UUID], turns: int, pool_size: int
                 "server_cpu_us_per_turn": round(
                     (cpu_seconds(backends) - server) / done * 1e6, 1),
                 "commits_per_turn": round(group.commits / done, 3),
+                "statements_per_turn": round(group.statements / done, 3),
                 "pipelined_share": round(group.pipelined / max(group.writes, 1), 3)}
     finally:
         await pool.close()
