@@ -10,9 +10,12 @@ import random
 import uuid
 from typing import Any
 
+import orjson
 import psycopg
+from psycopg.types.json import Jsonb
 
-from runpool.commits import CommitGroup
+import checkpoints
+from runpool.commits import MAX_INFLIGHT, CommitGroup
 from runpool.context import Run
 from runpool.db import connect, open_pool
 from runpool.enqueue import RunSpec, enqueue_many
@@ -175,3 +178,45 @@ def test_pipelined_batches_through_pgbouncer_in_transaction_mode(
     assert pipelined > 0
     _check(dsn, ids, short={})
 
+
+
+def test_a_batch_statement_answers_each_write_as_its_own_statement_would(dsn: str) -> None:
+    """Tool call intents of 16 runs through one CommitGroup at once (past MAX_INFLIGHT they
+    batch: one statement for the lot): a zombie's is refused (LeaseLost) and a call id reused
+    with other arguments (CallMismatch), each alone; the others are written once. Sent again,
+    each one this attempt committed is read back (its executions), not written twice."""
+    ids = _held(dsn, 16)
+    zombie, reused = ids[9], ids[12]
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE runpool.runs SET attempt = 2 WHERE id = %s", (zombie,))
+    asyncio.run(_intents(dsn, [reused], {"other": 1}))
+
+    out, statements = asyncio.run(_intents(dsn, ids, {"turn": 0}))
+    assert isinstance(out[ids.index(zombie)], LeaseLost)
+    assert isinstance(out[ids.index(reused)], checkpoints.CallMismatch)
+    assert [o for i, o in zip(ids, out, strict=True) if i not in (zombie, reused)] == [1] * 14
+    assert statements < 16 - MAX_INFLIGHT  # the writes past the first MAX_INFLIGHT batched
+    again, _ = asyncio.run(_intents(dsn, ids, {"turn": 0}))
+    assert [o for i, o in zip(ids, again, strict=True) if i not in (zombie, reused)] == [1] * 14
+    with connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*), sum(executions) FROM runpool.tool_calls"
+                            ).fetchone() == (15, 15)
+        assert conn.execute("SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s",
+                            (zombie,)).fetchone() == (0,)
+
+
+async def _intents(dsn: str, ids: list[uuid.UUID], arguments: Any) -> tuple[list[Any], int]:
+    """Each run's intent of call t0 (attempt 1), all at once through one CommitGroup: their
+    answers (executions, or the exception) and the statements they went as."""
+    pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack-pipeline")
+    try:
+        group = CommitGroup(pool)
+        data = orjson.dumps(arguments)
+        writes = [checkpoints.intent_write(i, 1, "t0", "search", Jsonb(arguments), encoded=data)
+                  for i in ids]
+        out = await asyncio.wait_for(asyncio.gather(*(
+            group.write(lambda conn, _, w=w: w.run(conn), 10, what="test", statement=w)
+            for w in writes), return_exceptions=True), 60)
+        return list(out), group.statements
+    finally:
+        await pool.close()
