@@ -214,9 +214,15 @@ async def _intents(dsn: str, ids: list[uuid.UUID], arguments: Any) -> tuple[list
         data = orjson.dumps(arguments)
         writes = [checkpoints.intent_write(i, 1, "t0", "search", Jsonb(arguments), encoded=data)
                   for i in ids]
+
+        def op(write: checkpoints.Statement) -> Any:
+            async def run(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+                return await write.run(conn)
+            return run
+
         out = await asyncio.wait_for(asyncio.gather(*(
-            group.write(lambda conn, _, w=w: w.run(conn), 10, what="test", statement=w)
-            for w in writes), return_exceptions=True), 60)
+            group.write(op(w), 10, what="test", statement=w) for w in writes),
+            return_exceptions=True), 60)
         return list(out), group.statements
     finally:
         await pool.close()
