@@ -299,16 +299,14 @@ class Statement:
                 "events": self.params["events"]}
 
 
-def _row(params: dict[str, Any], **encoded: bytes) -> bytes:
-    """A write's element of a batch's JSON array: its scalar params, and its JSON values as
-    the caller encoded them (spliced in, not encoded again)."""
-    head = orjson.dumps({k: str(v) if k == "run_id" else v for k, v in params.items()
-                         if k in _SCALARS})
-    return head[:-1] + b"".join(b',"%s":%s' % (k.encode(), v) for k, v in encoded.items()) + b"}"
-
-
-# The params a batch row carries as they are (its JSON values are the caller's encoded bytes).
-_SCALARS: Final = frozenset({"run_id", "attempt", "role", "call_id", "name", "status"})
+def _row(scalars: dict[str, Any], **encoded: bytes) -> bytes:
+    """A write's element of a batch's JSON array: its scalar params (orjson writes a UUID as
+    its text), then its JSON values as the caller encoded them (spliced in, not encoded
+    again)."""
+    row = orjson.dumps(scalars)[:-1]
+    for key, value in encoded.items():
+        row += b',"' + key.encode() + b'":' + value
+    return row + b"}"
 
 
 def _as_is(data: Any) -> Any:
@@ -350,7 +348,8 @@ def message_write(run_id: uuid.UUID, attempt: int, role: str, content: Any, *,
     if encoded is None:
         return Statement(INSERT_MESSAGE, params, answer)
     return Statement(INSERT_MESSAGE, params, answer, BATCH_MESSAGE,
-                     _row(params, content=encoded))
+                     _row({"run_id": run_id, "attempt": attempt, "role": role},
+                          content=encoded))
 
 
 async def append_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
@@ -374,7 +373,8 @@ def intent_write(run_id: uuid.UUID, attempt: int, call_id: str, name: str, argum
     if encoded is None:
         return Statement(INSERT_INTENT, params, answer)
     return Statement(INSERT_INTENT, params, answer, BATCH_INTENT,
-                     _row(params, arguments=encoded))
+                     _row({"run_id": run_id, "attempt": attempt, "call_id": call_id,
+                           "name": name}, arguments=encoded))
 
 
 async def record_tool_intent(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
@@ -412,7 +412,9 @@ def result_write(run_id: uuid.UUID, attempt: int, call_id: str, *, status: str, 
     if encoded is None:
         return Statement(FINISH_CALL, params, answer)
     return Statement(FINISH_CALL, params, answer, BATCH_FINISH,
-                     _row(params, result=encoded[0], content=encoded[1]))
+                     _row({"run_id": run_id, "attempt": attempt, "call_id": call_id,
+                           "status": status, "role": message_role},
+                          result=encoded[0], content=encoded[1]))
 
 
 async def commit_tool_result(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID,
