@@ -81,8 +81,11 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
             cpu, began = cpu_seconds(pids), time.monotonic()
             ages: list[float] = []
             peak_rss, peak_flight, polls = 0, 0, 0
-            # At least 100 turns a second, or the load is reported as given up where it stood.
-            deadline = began + 60 + runs * turns / 100
+            # At least 100 turns a second beyond the runs' own model time (a slot's runs one
+            # after another, each sleep its longest), or the load is reported as given up
+            # where it stood: 4 runs a slot at 2 x 25 need ~90 s of model time alone.
+            rounds = -(-runs // (workers * slots))
+            deadline = began + 60 + runs * turns / 100 + rounds * turns * high
             while True:
                 ended, flight = conn.execute(PROGRESS).fetchone() or (0, 0)
                 ages.extend(a for (a,) in conn.execute(LEASE_AGES, {"lease": lease}))
