@@ -119,6 +119,11 @@ WHERE t.run_id = %(run_id)s AND t.call_id = %(call_id)s AND t.attempt = %(attemp
   AND t.status = ANY (%(statuses)s)
 ORDER BY m.seq DESC LIMIT 1
 """
+# Waits until no earlier try of this attempt's write is still in flight on the server: one sent
+# before its connection was lost may commit after its sender gave up on it (a group commit's
+# batch sends BEGIN, its writes and COMMIT at once), and until it ends it holds the run row
+# share-locked. Only a repeat asks, before it reads back.
+SETTLED: Final = "SELECT 1 FROM runpool.runs WHERE id = %(run_id)s FOR NO KEY UPDATE"
 # A message this attempt already committed after `after` (a repeated append reads it back).
 FIND_MESSAGE: Final = """
 SELECT seq FROM runpool.messages
@@ -331,7 +336,10 @@ def _written(params: dict[str, Any], refused: str, done: str | None = None
 async def find_message(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int,
                        after: int, role: str, content: Any) -> int | None:
     """The seq of this message if this attempt already committed it after seq `after` (so an
-    append repeated after a lost acknowledgement does not add it twice)."""
+    append repeated after a lost acknowledgement does not add it twice), read once any earlier
+    try still in flight has ended (SETTLED: in its own statement, so the read's snapshot is
+    taken after)."""
+    await conn.execute(SETTLED, {"run_id": run_id})
     cur = await conn.execute(FIND_MESSAGE, {
         "run_id": run_id, "attempt": attempt, "after": after, "role": role,
         "content": content})

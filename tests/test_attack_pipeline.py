@@ -164,7 +164,7 @@ def test_connections_cut_while_pipelined_batches_are_in_flight(dsn: str) -> None
     finally:
         proxy.close()
     assert reconnected
-    assert out == [None] * len(ids)
+    assert out == [None] * len(ids), [repr(o) for o in out if o is not None]
     assert pipelined > 0
     _check(dsn, ids, short={})
 
@@ -174,7 +174,7 @@ def test_pipelined_batches_through_pgbouncer_in_transaction_mode(
     ids = _held(dsn, 40)
     with pgbouncer(server_dsn, pool_size=3) as bouncer:
         out, pipelined = _agents(bouncer.dsn(dsn), ids, stateless=True)
-    assert out == [None] * len(ids)
+    assert out == [None] * len(ids), [repr(o) for o in out if o is not None]
     assert pipelined > 0
     _check(dsn, ids, short={})
 
