@@ -30,9 +30,11 @@ CREATE FUNCTION runpool.new_run_salt() RETURNS bigint
 LANGUAGE sql VOLATILE PARALLEL SAFE
 RETURN ('x' || right(replace(gen_random_uuid()::text, '-', ''), 15))::bit(60)::bigint;
 
--- Microseconds since 1970 of a time (a run id's time).
+-- Microseconds since 1970 of a time (a run id's time). STABLE, as extract() on a timestamptz
+-- is: declared IMMUTABLE it would never be inlined, and a call not inlined is planned again in
+-- every transaction.
 CREATE FUNCTION runpool.epoch_us(t timestamptz) RETURNS bigint
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
+LANGUAGE sql STABLE PARALLEL SAFE
 RETURN (extract(epoch FROM t) * 1000000)::bigint;
 
 -- Enqueue many runs in one call: `runs` is a JSON array of objects keyed by enqueue's
@@ -69,6 +71,9 @@ DECLARE
     known constant text[] := ARRAY['tenant', 'handler', 'input', 'priority', 'idempotency_key',
                                    'run_at', 'max_attempts', 'traceparent', 'serial_key',
                                    'timeout', 'deadline', 'budget'];
+    optional constant text[] := ARRAY['priority', 'idempotency_key', 'run_at', 'max_attempts',
+                                      'traceparent', 'serial_key', 'timeout', 'deadline',
+                                      'budget'];
     max_input integer;
 BEGIN
     IF enqueue_many.runs IS NULL OR jsonb_typeof(enqueue_many.runs) <> 'array' THEN
@@ -102,46 +107,55 @@ BEGIN
                WHEN jsonb_typeof(e.v -> 'handler') IS DISTINCT FROM 'string'
                     OR length(e.v ->> 'handler') NOT BETWEEN 1 AND runpool.max_name_length()
                    THEN 'handler must be 1 to ' || runpool.max_name_length() || ' characters'
-               WHEN coalesce(jsonb_typeof(e.v -> 'priority'), 'null') NOT IN ('null', 'number')
-                    OR (e.v ->> 'priority')::numeric NOT BETWEEN -100 AND 100
-                    OR (e.v ->> 'priority')::numeric <> trunc((e.v ->> 'priority')::numeric)
-                   THEN 'priority must be an integer between -100 and 100, got ' || (e.v -> 'priority')::text
-               WHEN coalesce(jsonb_typeof(e.v -> 'max_attempts'), 'null') NOT IN ('null', 'number')
-                    OR (e.v ->> 'max_attempts')::numeric NOT BETWEEN 1 AND 1000
-                    OR (e.v ->> 'max_attempts')::numeric <> trunc((e.v ->> 'max_attempts')::numeric)
-                   THEN 'max_attempts must be an integer between 1 and 1000, got '
-                        || (e.v -> 'max_attempts')::text
-               WHEN coalesce(jsonb_typeof(e.v -> 'idempotency_key'), 'null') NOT IN ('null', 'string')
-                    OR length(e.v ->> 'idempotency_key') NOT BETWEEN 1 AND runpool.max_name_length()
-                   THEN 'idempotency_key must be 1 to ' || runpool.max_name_length() || ' characters'
-               WHEN coalesce(jsonb_typeof(e.v -> 'serial_key'), 'null') NOT IN ('null', 'string')
-                    OR length(e.v ->> 'serial_key') NOT BETWEEN 1 AND runpool.max_name_length()
-                   THEN 'serial_key must be 1 to ' || runpool.max_name_length() || ' characters'
-               WHEN coalesce(jsonb_typeof(e.v -> 'traceparent'), 'null') NOT IN ('null', 'string')
-                    OR length(e.v ->> 'traceparent') > 128
-                   THEN 'traceparent must be text of at most 128 characters'
-               WHEN coalesce(jsonb_typeof(e.v -> 'run_at'), 'null') NOT IN ('null', 'string')
-                    OR (e.v ->> 'run_at' IS NOT NULL AND NOT coalesce(
-                           isfinite(runpool._time_or_null(e.v ->> 'run_at'))
-                           AND runpool._time_or_null(e.v ->> 'run_at') <= clock_timestamp() + interval '10 years',
-                           false))
-                   THEN 'run_at must be a finite time at most 10 years ahead, got ' || (e.v -> 'run_at')::text
-               -- Seconds, as the Python API sends a timeout.
-               WHEN coalesce(jsonb_typeof(e.v -> 'timeout'), 'null') NOT IN ('null', 'number')
-                    OR (e.v ->> 'timeout')::numeric <= 0 OR (e.v ->> 'timeout')::numeric > 366 * 86400
-                    -- under a microsecond is an interval of 0
-                    OR make_interval(secs => (e.v ->> 'timeout')::float8) <= interval '0'
-                   THEN 'timeout must be a number of seconds, more than 0 and at most a year, got '
-                        || (e.v -> 'timeout')::text
-               WHEN coalesce(jsonb_typeof(e.v -> 'deadline'), 'null') NOT IN ('null', 'string')
-                    OR (e.v ->> 'deadline' IS NOT NULL
-                        AND NOT coalesce(isfinite(runpool._time_or_null(e.v ->> 'deadline')), false))
-                   THEN 'deadline must be a finite time, got ' || (e.v -> 'deadline')::text
-               WHEN coalesce(jsonb_typeof(e.v -> 'budget'), 'null') NOT IN ('null', 'object')
-                   THEN 'budget must be a JSON object'
-               WHEN octet_length(coalesce(e.v -> 'input', '{}')::text) > max_input
-                   THEN 'input is ' || octet_length((e.v -> 'input')::text) || ' bytes, over the limit of '
-                        || max_input || ' bytes'
+               -- Most runs give none of the optional keys: their checks are skipped whole
+               -- (the same checks in the same order otherwise).
+               WHEN NOT e.v ?| optional THEN CASE
+                   WHEN octet_length(coalesce(e.v -> 'input', '{}')::text) > max_input
+                       THEN 'input is ' || octet_length((e.v -> 'input')::text) || ' bytes, over the limit of '
+                            || max_input || ' bytes'
+                   END
+               ELSE CASE
+                   WHEN coalesce(jsonb_typeof(e.v -> 'priority'), 'null') NOT IN ('null', 'number')
+                        OR (e.v ->> 'priority')::numeric NOT BETWEEN -100 AND 100
+                        OR (e.v ->> 'priority')::numeric <> trunc((e.v ->> 'priority')::numeric)
+                       THEN 'priority must be an integer between -100 and 100, got ' || (e.v -> 'priority')::text
+                   WHEN coalesce(jsonb_typeof(e.v -> 'max_attempts'), 'null') NOT IN ('null', 'number')
+                        OR (e.v ->> 'max_attempts')::numeric NOT BETWEEN 1 AND 1000
+                        OR (e.v ->> 'max_attempts')::numeric <> trunc((e.v ->> 'max_attempts')::numeric)
+                       THEN 'max_attempts must be an integer between 1 and 1000, got '
+                            || (e.v -> 'max_attempts')::text
+                   WHEN coalesce(jsonb_typeof(e.v -> 'idempotency_key'), 'null') NOT IN ('null', 'string')
+                        OR length(e.v ->> 'idempotency_key') NOT BETWEEN 1 AND runpool.max_name_length()
+                       THEN 'idempotency_key must be 1 to ' || runpool.max_name_length() || ' characters'
+                   WHEN coalesce(jsonb_typeof(e.v -> 'serial_key'), 'null') NOT IN ('null', 'string')
+                        OR length(e.v ->> 'serial_key') NOT BETWEEN 1 AND runpool.max_name_length()
+                       THEN 'serial_key must be 1 to ' || runpool.max_name_length() || ' characters'
+                   WHEN coalesce(jsonb_typeof(e.v -> 'traceparent'), 'null') NOT IN ('null', 'string')
+                        OR length(e.v ->> 'traceparent') > 128
+                       THEN 'traceparent must be text of at most 128 characters'
+                   WHEN coalesce(jsonb_typeof(e.v -> 'run_at'), 'null') NOT IN ('null', 'string')
+                        OR (e.v ->> 'run_at' IS NOT NULL AND NOT coalesce(
+                               isfinite(runpool._time_or_null(e.v ->> 'run_at'))
+                               AND runpool._time_or_null(e.v ->> 'run_at') <= clock_timestamp() + interval '10 years',
+                               false))
+                       THEN 'run_at must be a finite time at most 10 years ahead, got ' || (e.v -> 'run_at')::text
+                   -- Seconds, as the Python API sends a timeout.
+                   WHEN coalesce(jsonb_typeof(e.v -> 'timeout'), 'null') NOT IN ('null', 'number')
+                        OR (e.v ->> 'timeout')::numeric <= 0 OR (e.v ->> 'timeout')::numeric > 366 * 86400
+                        -- under a microsecond is an interval of 0
+                        OR make_interval(secs => (e.v ->> 'timeout')::float8) <= interval '0'
+                       THEN 'timeout must be a number of seconds, more than 0 and at most a year, got '
+                            || (e.v -> 'timeout')::text
+                   WHEN coalesce(jsonb_typeof(e.v -> 'deadline'), 'null') NOT IN ('null', 'string')
+                        OR (e.v ->> 'deadline' IS NOT NULL
+                            AND NOT coalesce(isfinite(runpool._time_or_null(e.v ->> 'deadline')), false))
+                       THEN 'deadline must be a finite time, got ' || (e.v -> 'deadline')::text
+                   WHEN coalesce(jsonb_typeof(e.v -> 'budget'), 'null') NOT IN ('null', 'object')
+                       THEN 'budget must be a JSON object'
+                   WHEN octet_length(coalesce(e.v -> 'input', '{}')::text) > max_input
+                       THEN 'input is ' || octet_length((e.v -> 'input')::text) || ' bytes, over the limit of '
+                            || max_input || ' bytes'
+                   END
            END AS problem
         FROM jsonb_array_elements(enqueue_many.runs) WITH ORDINALITY AS e(v, n)
     ) p;
@@ -298,6 +312,182 @@ BEGIN
         PERFORM pg_notify('runpool_wakeup', '');
     END IF;
     RETURN QUERY SELECT unnest(ids);
+END
+$$;
+
+-- enqueue (0012's contract and checks): the tenant's row read before it is upserted, a plain
+-- INSERT when the run has no idempotency key, and a time-ordered id (new_run_id).
+CREATE OR REPLACE FUNCTION runpool.enqueue(
+    tenant text,
+    handler text,
+    input jsonb DEFAULT '{}',
+    priority integer DEFAULT 0,
+    idempotency_key text DEFAULT NULL,
+    run_at timestamptz DEFAULT NULL,
+    max_attempts integer DEFAULT NULL,
+    traceparent text DEFAULT NULL,
+    serial_key text DEFAULT NULL,
+    timeout interval DEFAULT NULL,
+    deadline timestamptz DEFAULT NULL,
+    budget jsonb DEFAULT NULL
+) RETURNS uuid
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
+SET plan_cache_mode = auto
+AS $$
+#variable_conflict use_column
+DECLARE
+    cfg runpool.config;
+    -- clock_timestamp, not now(): runs enqueued in one transaction keep their order.
+    available timestamptz;
+    new_id uuid;
+    waits boolean := false;
+    position bigint;
+    is_paused boolean;
+    -- Computed apart from the INSERT (a simple expression, planned once per session): the
+    -- keyed path replans its statements on every call, and the rule would be inlined anew.
+    new_rank double precision;
+    stamp timestamptz;
+BEGIN
+    IF enqueue.tenant IS NULL OR length(enqueue.tenant) NOT BETWEEN 1 AND runpool.max_name_length() THEN
+        RAISE EXCEPTION 'runpool.enqueue: tenant must be 1 to % characters',
+            runpool.max_name_length()
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.handler IS NULL OR length(enqueue.handler) NOT BETWEEN 1 AND runpool.max_name_length() THEN
+        RAISE EXCEPTION 'runpool.enqueue: handler must be 1 to % characters',
+            runpool.max_name_length()
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.priority IS NULL OR enqueue.priority NOT BETWEEN -100 AND 100 THEN
+        RAISE EXCEPTION 'runpool.enqueue: priority must be between -100 and 100, got %',
+            coalesce(enqueue.priority::text, 'NULL') USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.max_attempts IS NOT NULL AND enqueue.max_attempts NOT BETWEEN 1 AND 1000 THEN
+        RAISE EXCEPTION 'runpool.enqueue: max_attempts must be between 1 and 1000, got %',
+            enqueue.max_attempts USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.idempotency_key IS NOT NULL AND length(enqueue.idempotency_key) NOT BETWEEN 1 AND runpool.max_name_length() THEN
+        RAISE EXCEPTION 'runpool.enqueue: idempotency_key must be 1 to % characters',
+            runpool.max_name_length()
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.serial_key IS NOT NULL AND length(enqueue.serial_key) NOT BETWEEN 1 AND runpool.max_name_length() THEN
+        RAISE EXCEPTION 'runpool.enqueue: serial_key must be 1 to % characters',
+            runpool.max_name_length()
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.traceparent IS NOT NULL AND length(enqueue.traceparent) > 128 THEN
+        RAISE EXCEPTION 'runpool.enqueue: traceparent is longer than 128 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- 'infinity' would make a run that never starts yet is kept forever; a date centuries
+    -- away is a unit mistake (milliseconds taken for seconds), not a plan.
+    IF enqueue.run_at IS NOT NULL AND (NOT isfinite(enqueue.run_at)
+                                       OR enqueue.run_at > clock_timestamp() + interval '10 years') THEN
+        RAISE EXCEPTION 'runpool.enqueue: run_at must be a finite time at most 10 years ahead, got %',
+            enqueue.run_at USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF enqueue.timeout IS NOT NULL AND NOT (enqueue.timeout > interval '0'
+                                            AND enqueue.timeout <= interval '1 year') THEN
+        RAISE EXCEPTION 'runpool.enqueue: timeout must be more than 0 and at most a year, got %',
+            enqueue.timeout USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- A past deadline is accepted: the run ends deadline_exceeded without starting. As for
+    -- run_at, a time centuries away is a unit mistake; and one in the year 10000 (UTC), or
+    -- before the year 1, is stored but no Python client can read it back: every psycopg read
+    -- of a list of runs holding it would fail, other tenants' runs and all.
+    IF enqueue.deadline IS NOT NULL AND (NOT isfinite(enqueue.deadline)
+                                         OR enqueue.deadline < '1970-01-01 00:00:00+00'
+                                         OR enqueue.deadline > clock_timestamp() + interval '10 years') THEN
+        RAISE EXCEPTION 'runpool.enqueue: deadline must be a finite time from 1970 to 10 years ahead, got %',
+            enqueue.deadline USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Only when given: a nested SECURITY DEFINER call costs every enqueue (see 0008).
+    IF enqueue.budget IS NOT NULL THEN
+        PERFORM runpool.check_budget(enqueue.budget);
+    END IF;
+    SELECT * INTO cfg FROM runpool.config;
+    IF octet_length(coalesce(enqueue.input, '{}')::text) > cfg.max_input_bytes THEN
+        RAISE EXCEPTION 'runpool.enqueue: input is % bytes, over the limit of % bytes',
+            octet_length(enqueue.input::text), cfg.max_input_bytes
+            USING ERRCODE = 'program_limit_exceeded';
+    END IF;
+
+    IF enqueue.serial_key IS NOT NULL THEN
+        -- Custom plans for the rest of this call (the SET above scopes it to the call): the
+        -- generic plan PL/pgSQL switches to after five calls estimates the key check below
+        -- from every tenant's keyed runs and reads the whole table once they are many. The
+        -- unkeyed path keeps its cached plans (replanning it costs ~25 % of an enqueue).
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
+        -- Under the key's lock, and in statements of their own: the check below sees every
+        -- run of the key committed before the lock was granted (read committed only).
+        PERFORM pg_advisory_xact_lock(runpool.serial_key_lock(enqueue.tenant, enqueue.serial_key));
+        position := nextval('runpool.serial_order');
+        waits := current_setting('transaction_isolation') <> 'read committed'
+                 OR EXISTS (SELECT 1 FROM runpool.runs r
+                            WHERE r.tenant = enqueue.tenant AND r.serial_key = enqueue.serial_key
+                              AND r.status IN ('queued', 'running'));
+    END IF;
+
+    -- The tenant's row is there but for its first run: read, not upserted (an INSERT ... ON
+    -- CONFLICT is a speculative insertion, ~15 % of an enqueue's statements).
+    SELECT coalesce(t.max_running = 0, false) INTO is_paused
+    FROM runpool.tenants t WHERE t.tenant = enqueue.tenant;
+    IF NOT FOUND THEN
+        INSERT INTO runpool.tenants (tenant) VALUES (enqueue.tenant) ON CONFLICT DO NOTHING;
+        is_paused := EXISTS (SELECT 1 FROM runpool.tenants t
+                             WHERE t.tenant = enqueue.tenant AND t.max_running = 0);
+    END IF;
+    available := greatest(coalesce(enqueue.run_at, clock_timestamp()), clock_timestamp());
+    new_rank := runpool.rank(available, enqueue.priority, cfg.aging_seconds);
+    -- A time-ordered id (new_run_id): the primary key's new entries land at its right edge.
+    -- Its time from a variable: with clock_timestamp() as its argument the SQL functions
+    -- would not be inlined, and a call not inlined is planned anew in every transaction.
+    stamp := clock_timestamp();
+    new_id := runpool.new_run_id(runpool.epoch_us(stamp), runpool.new_run_salt());
+    IF enqueue.idempotency_key IS NULL THEN
+        -- Nothing to conflict on: a plain INSERT (no speculative insertion).
+        INSERT INTO runpool.runs AS r (
+            id, tenant, handler, input, priority, available_at, rank,
+            max_attempts, traceparent, serial_key, serial_order, held, deferred, paused,
+            attempt_timeout, deadline, budget
+        ) VALUES (
+            new_id, enqueue.tenant, enqueue.handler, coalesce(enqueue.input, '{}'),
+            enqueue.priority, available, new_rank,
+            coalesce(enqueue.max_attempts, cfg.default_max_attempts), enqueue.traceparent,
+            enqueue.serial_key, position, waits,
+            coalesce(enqueue.run_at > clock_timestamp(), false), is_paused,
+            enqueue.timeout, enqueue.deadline, enqueue.budget
+        );
+    ELSE
+        INSERT INTO runpool.runs AS r (
+            id, tenant, handler, input, priority, idempotency_key, available_at, rank,
+            max_attempts, traceparent, serial_key, serial_order, held, deferred, paused,
+            attempt_timeout, deadline, budget
+        ) VALUES (
+            new_id, enqueue.tenant, enqueue.handler, coalesce(enqueue.input, '{}'),
+            enqueue.priority, enqueue.idempotency_key, available, new_rank,
+            coalesce(enqueue.max_attempts, cfg.default_max_attempts), enqueue.traceparent,
+            enqueue.serial_key, position, waits,
+            coalesce(enqueue.run_at > clock_timestamp(), false), is_paused,
+            enqueue.timeout, enqueue.deadline, enqueue.budget
+        )
+        ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+        RETURNING r.id INTO new_id;
+
+        IF new_id IS NULL THEN
+            -- A concurrent or earlier enqueue won; under READ COMMITTED this statement sees it.
+            SELECT r.id INTO new_id FROM runpool.runs r
+            WHERE r.tenant = enqueue.tenant AND r.idempotency_key = enqueue.idempotency_key;
+            RETURN new_id;
+        END IF;
+    END IF;
+
+    INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
+    VALUES (new_id, 'enqueued', 0, CASE WHEN waits
+        THEN jsonb_build_object('held_by_serial_key', enqueue.serial_key) END);
+    PERFORM pg_notify('runpool_wakeup', '');
+    RETURN new_id;
 END
 $$;
 
