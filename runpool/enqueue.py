@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final
@@ -144,29 +144,58 @@ def _interval(timeout: float | timedelta | None) -> timedelta | None:
     return timedelta(seconds=timeout)
 
 
-@contextmanager
-def _guard(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    # Inside the caller's open transaction a savepoint keeps it usable after a refusal.
-    in_tx = conn.info.transaction_status == pq.TransactionStatus.INTRANS
+# A savepoint of enqueue's own inside the caller's open transaction: a refusal leaves that
+# transaction usable. Sent with the enqueue and its release behind one Sync (a pipeline): one
+# round trip where psycopg's transaction() costs three (SAVEPOINT, the call, RELEASE).
+SAVEPOINT: Final = "SAVEPOINT runpool_enqueue"
+RELEASE: Final = "RELEASE SAVEPOINT runpool_enqueue"
+ROLLBACK_TO: Final = "ROLLBACK TO SAVEPOINT runpool_enqueue"
+
+
+def _failed(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether conn's transaction has failed (a statement after the savepoint failed)."""
+    return conn.info.transaction_status == pq.TransactionStatus.INERROR
+
+
+def _rows(conn: psycopg.Connection[Any], query: str, params: Any) -> list[tuple[Any, ...]]:
+    """query's rows on conn, in its transaction (behind a savepoint when one is open); the
+    database's refusal of bad input as InvalidInput."""
     try:
-        if in_tx:
-            with conn.transaction():
-                yield
-        else:
-            yield
+        if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
+            return conn.execute(query, params).fetchall()
+        try:
+            with conn.pipeline():
+                conn.execute(SAVEPOINT)
+                cur = conn.execute(query, params)
+                conn.execute(RELEASE)
+        except BaseException:
+            # The server skipped the release after the failed call: undo to the savepoint.
+            if _failed(conn):
+                conn.execute(ROLLBACK_TO)
+                conn.execute(RELEASE)
+            raise
+        return cur.fetchall()
     except psycopg.Error as exc:
         raise translate_error(exc) from exc
 
 
-@asynccontextmanager
-async def _aguard(conn: psycopg.AsyncConnection[Any]) -> Any:
-    in_tx = conn.info.transaction_status == pq.TransactionStatus.INTRANS
+async def _arows(conn: psycopg.AsyncConnection[Any], query: str, params: Any
+                 ) -> list[tuple[Any, ...]]:
+    """The asyncio twin of _rows."""
     try:
-        if in_tx:
-            async with conn.transaction():
-                yield
-        else:
-            yield
+        if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
+            return await (await conn.execute(query, params)).fetchall()
+        try:
+            async with conn.pipeline():
+                await conn.execute(SAVEPOINT)
+                cur = await conn.execute(query, params)
+                await conn.execute(RELEASE)
+        except BaseException:
+            if _failed(conn):
+                await conn.execute(ROLLBACK_TO)
+                await conn.execute(RELEASE)
+            raise
+        return await cur.fetchall()
     except psycopg.Error as exc:
         raise translate_error(exc) from exc
 
@@ -218,12 +247,9 @@ def enqueue(
         spec = RunSpec(tenant, handler, {} if input is None else input, priority,
                        idempotency_key, run_at, max_attempts, traceparent, serial_key,
                        timeout, deadline, budget)
-        params = spec.params()
-        with _guard(conn):
-            row = conn.execute(ENQUEUE, params).fetchone()
-        assert row is not None
-        _label(span, row[0])
-        return row[0]  # type: ignore[no-any-return]
+        ((run_id,),) = _rows(conn, ENQUEUE, spec.params())
+        _label(span, run_id)
+        return run_id  # type: ignore[no-any-return]
 
 
 async def enqueue_async(
@@ -248,13 +274,9 @@ async def enqueue_async(
         spec = RunSpec(tenant, handler, {} if input is None else input, priority,
                        idempotency_key, run_at, max_attempts, traceparent, serial_key,
                        timeout, deadline, budget)
-        params = spec.params()
-        async with _aguard(conn):
-            cur = await conn.execute(ENQUEUE, params)
-            row = await cur.fetchone()
-        assert row is not None
-        _label(span, row[0])
-        return row[0]  # type: ignore[no-any-return]
+        ((run_id,),) = await _arows(conn, ENQUEUE, spec.params())
+        _label(span, run_id)
+        return run_id  # type: ignore[no-any-return]
 
 
 def enqueue_many(conn: psycopg.Connection[Any], specs: Iterable[RunSpec]) -> list[uuid.UUID]:
@@ -265,5 +287,4 @@ def enqueue_many(conn: psycopg.Connection[Any], specs: Iterable[RunSpec]) -> lis
         return []
     # Serialised here, in one pass: a value jsonb cannot hold fails before the database sees it.
     payload = jsonb(dumps(elements))
-    with _guard(conn):
-        return [row[0] for row in conn.execute(ENQUEUE_MANY, [payload])]
+    return [row[0] for row in _rows(conn, ENQUEUE_MANY, [payload])]

@@ -1,0 +1,77 @@
+"""Enqueue inside the caller's open transaction costs one round trip (its savepoint, the call
+and the release behind one Sync; psycopg's transaction() cost three), and a refusal still
+leaves that transaction usable with its earlier writes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+
+import runpool
+from tests.helpers import scalar
+
+
+@contextmanager
+def _trips(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+           ) -> Iterator[Callable[[], int]]:
+    """Round trips on conn inside the block: the times the server's messages follow the
+    client's, in a protocol trace."""
+    counted: list[int] = []
+    with tempfile.TemporaryFile("w+") as trace:
+        conn.pgconn.trace(trace.fileno())
+        try:
+            yield lambda: counted[0]
+        finally:
+            conn.pgconn.untrace()
+            trace.seek(0)
+            sides = [f[1] for f in (line.split("\t") for line in trace.read().splitlines())
+                     if len(f) > 1 and f[1] in ("F", "B")]
+            counted.append(sum(1 for pair in itertools.pairwise(sides) if pair == ("F", "B")))
+
+
+def test_enqueue_in_a_transaction__one_round_trip_and_a_refusal_keeps_it_usable(
+        dsn: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SELECT 1")  # the caller's open transaction
+        with _trips(conn) as trips:
+            first = runpool.enqueue(conn, "acme", "noop")
+        assert trips() == 1
+        with _trips(conn) as trips:
+            many = runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop")] * 3)
+        assert (trips(), len(many)) == (1, 3)
+        with pytest.raises(runpool.InvalidInput, match="priority"):
+            runpool.enqueue(conn, "acme", "noop", priority=500)
+        with pytest.raises(runpool.InvalidInput, match=r"runs\[1\]"):
+            runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop"),
+                                        runpool.RunSpec("acme", "noop", priority=500)])
+        # Usable, nothing of the refused calls written, no savepoint of enqueue's left.
+        second = runpool.enqueue(conn, "acme", "noop")
+        conn.commit()
+        assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 5
+        assert {first, second} <= {r for (r,) in conn.execute("SELECT id FROM runpool.runs")}
+        conn.commit()
+
+
+def test_enqueue_async_in_a_transaction__one_round_trip_and_a_refusal_keeps_it_usable(
+        dsn: str) -> None:
+    async def main() -> int:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            await conn.execute("SELECT 1")
+            with _trips(conn) as trips:
+                await runpool.enqueue_async(conn, "acme", "noop")
+            with pytest.raises(runpool.InvalidInput, match="handler"):
+                await runpool.enqueue_async(conn, "acme", "")
+            await runpool.enqueue_async(conn, "acme", "noop")
+            await conn.commit()
+            return trips()
+
+    assert asyncio.run(main()) == 1
+    with psycopg.connect(dsn) as conn:
+        assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 2
