@@ -15,11 +15,13 @@
 
 -- A run id in the UUID version 7 layout: the 48 bits of milliseconds since 1970 of `at_us`
 -- (microseconds since 1970) and 12 bits of the millisecond's fraction, the version and
--- variant bits, and 62 random bits: random() (the session's fast generator) mixed with
--- `salt` (62 strong random bits of the caller's, new_run_salt) so a session's setseed() cannot
--- make ids repeat. Ids of distinct microseconds order as their times. Inlined (one SQL
--- expression), so a batch pays no call per run. The low 64 bits stay random, as a
--- trace-id-ratio sampler wants them (a run's trace id may be its run id).
+-- variant bits, and 62 random bits: random() (the session's fast generator, 52 bits a draw)
+-- XORed with `salt` (the caller's strong random bits, below 2^62: new_run_salt, once a call)
+-- so a session's setseed() cannot make ids repeat. Ids of distinct microseconds order as
+-- their times. Inlined (one SQL expression), so a batch pays no call per run. The low 64 bits
+-- stay random from run to run, as a trace-id-ratio sampler wants them (a run's trace id may
+-- be its run id). Ids are not secrets (a tenant-scoped call checks the run's tenant): they need to be unique,
+-- not unguessable.
 CREATE FUNCTION runpool.new_run_id(at_us bigint, salt bigint) RETURNS uuid
 LANGUAGE sql VOLATILE PARALLEL SAFE
 RETURN (lpad(to_hex(at_us / 1000 << 16 | 28672 | at_us % 1000 * 4096 / 1000), 16, '0')
