@@ -20,8 +20,8 @@
 -- so a session's setseed() cannot make ids repeat. Ids of distinct microseconds order as
 -- their times. Inlined (one SQL expression), so a batch pays no call per run. The low 64 bits
 -- stay random from run to run, as a trace-id-ratio sampler wants them (a run's trace id may
--- be its run id). Ids are not secrets (a tenant-scoped call checks the run's tenant): they need to be unique,
--- not unguessable.
+-- be its run id). Ids are not secrets (a tenant-scoped call checks the run's tenant): they
+-- need to be unique, not unguessable.
 CREATE FUNCTION runpool.new_run_id(at_us bigint, salt bigint) RETURNS uuid
 LANGUAGE sql VOLATILE PARALLEL SAFE
 RETURN (lpad(to_hex(at_us / 1000 << 16 | 28672 | at_us % 1000 * 4096 / 1000), 16, '0')
