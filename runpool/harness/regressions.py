@@ -11,10 +11,12 @@ one, finished or not). The table gives, per workload and metric, the medians sid
 NEW/OLD, each side's range, and a verdict: WORSE when the medians differ, the wrong way, by
 more than the larger of the two sides' ranges (the pairs' own spread); better the other way;
 ~ within it. A count that must stay zero (order_violations) is BROKEN once NEW reports one;
-a workload NEW fails (exit status, no JSON line, timeout) where OLD did not is FAILED. Beside
-each workload's metrics: client_cpu_s, the CPU seconds of the bench process and every pool
-it ran (waited-for children, so load-independent), and wall_s (shown, not judged). Exit
-status 1 if anything was flagged.
+a workload NEW fails more often than OLD (exit status, no JSON line, timeout) is FAILED. A
+flagged workload runs `--confirm` pairs more (2), and is judged again on all its pairs: on a
+loaded machine two or three pairs flag noise now and then. Beside each workload's metrics:
+client_cpu_s, the CPU seconds of the bench process and every pool it ran (waited-for
+children, so less load-dependent than times), and wall_s (shown, not judged). Exit status 1
+if anything is flagged.
 """
 
 from __future__ import annotations
