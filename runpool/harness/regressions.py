@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS))
     parser.add_argument("--confirm", type=int, default=2,
                         help="pairs more for each flagged workload, judged on all its pairs")
-    parser.add_argument("--timeout", type=float, default=1800.0,
+    parser.add_argument("--timeout", type=float, default=1200.0,
                         help="seconds one bench process may take (then SIGINT, SIGKILL)")
     parser.add_argument("--tolerance", type=float, default=0.0,
                         help="a relative change a WORSE must exceed too (0.05: 5 %%)")
