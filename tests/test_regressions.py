@@ -84,10 +84,11 @@ def test_regressions__alternates_the_trees_and_flags_what_got_worse(
                    "--out", str(out_file)])
     out = capsys.readouterr().out
     assert status == 1, out
-    # OLD then NEW, workload by workload, pair after pair; each in its own tree, cleaned.
+    # Workload by workload, OLD first in odd pairs and NEW first in even ones; each in its own
+    # tree, its environment cleaned.
     runs = (tmp_path / "order.log").read_text().splitlines()
-    assert runs == [f"{side} {w} fit" for _ in range(2) for w in ("W5", "W7", "W9", "W10")
-                    for side in ("old", "new")]
+    assert runs == [f"{side} {w} fit" for order in (("old", "new"), ("new", "old"))
+                    for w in ("W5", "W7", "W9", "W10") for side in order]
     # Beyond the pairs' spread (0.5 a side) the wrong way, the right way, within it.
     assert _row(out, "W7", "p50_ms")[1:6] == ["lower", "10.25", "20.25", "1.98", "10-10.5"]
     assert _row(out, "W7", "p50_ms")[-1] == "WORSE"
@@ -133,7 +134,8 @@ def test_regressions__a_flagged_workload_is_run_again_and_judged_on_every_pair(
     out = capsys.readouterr().out
     runs = [line.rsplit(" ", 1)[0]
             for line in (tmp_path / "order.log").read_text().splitlines()]
-    assert runs == ["old W7", "new W7", "old W9", "new W9"] * 2 + ["old W7", "new W7"] * 2
+    assert runs == ["old W7", "new W7", "old W9", "new W9", "new W7", "old W7", "new W9",
+                    "old W9", "old W7", "new W7", "new W7", "old W7"]
     assert "W7  (ok: old 4/4, new 4/4 runs)" in out
     assert _row(out, "W7", "p50_ms")[1:7] == ["lower", "10.25", "20", "1.95", "10-10.5",
                                               "10.5-20.5"]

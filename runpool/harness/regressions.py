@@ -4,8 +4,9 @@ re-run them").
 
 Each source tree runs its own `python -m runpool bench --dsn DSN --workload W` (PYTHONPATH set
 to the tree, its working directory the tree, RUNPOOL_* and DATABASE_URL removed so both run
-with the defaults), one workload at a time, OLD then NEW, for `--pairs` pairs: each
-workload's OLD and NEW sit minutes apart at most, so a machine whose load drifts moves both.
+with the defaults), one workload at a time, OLD and NEW in turn (OLD first in odd pairs, NEW
+first in even ones), for `--pairs` pairs: each workload's OLD and NEW sit minutes apart at
+most, so a machine whose load drifts moves both.
 Every sample goes to a JSON-lines file as it comes (`--report FILE` prints the table again from
 one, finished or not). The table gives, per workload and metric, the medians side by side,
 NEW/OLD, each side's range, and a verdict: WORSE when the medians differ, the wrong way, by
@@ -362,11 +363,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _pair(args: argparse.Namespace, trees: dict[str, Path], pair: int, workloads: list[str],
           sink: TextIO) -> list[Sample]:
-    """OLD then NEW of each workload, each sample written to `sink` as it comes."""
+    """OLD and NEW of each workload, each sample written to `sink` as it comes."""
     samples = []
     started = time.monotonic()
+    # OLD first in odd pairs, NEW first in even ones: a run leaves work behind it (W6's
+    # million-row load: dirty buffers, WAL, autovacuum), and with a fixed order the second
+    # side always pays the first's (an A/A sitting had NEW's W6 claims 2x slower in 3/3 pairs).
+    order = list(trees.items()) if pair % 2 else list(trees.items())[::-1]
     for workload in workloads:
-        for side, tree in trees.items():
+        for side, tree in order:
             sample = run_one(args.python, tree, side, pair, workload, args.dsn, args.timeout)
             samples.append(sample)
             sink.write(json.dumps({"kind": "sample", **asdict(sample)}) + "\n")
