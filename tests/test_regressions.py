@@ -6,11 +6,15 @@ checked in seconds, without the minutes the real workloads take."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from runpool.harness.regressions import direction, main, verdict
+from tests.helpers import ROOT, wait_for
 
 # A stand-in `python -m runpool bench`: logs how it was run, then prints what its tree's
 # spec.json says for the workload (a JSON line; "fail": exit 3; "hang": wait for SIGINT; a
@@ -163,3 +167,20 @@ def test_verdict__needs_two_values_a_side_and_a_change_beyond_both_spreads() -> 
     assert verdict("runs_per_s", [10.0, 12.0], [13.0, 15.0]) == "better"
     assert verdict("p50_ms", [10.0, 10.0], [10.5, 10.5], tolerance=0.1) == "~"
     assert verdict("order_violations", [0.0, 0.0], [0.0, 2.0]) == "BROKEN"
+
+
+def test_regressions__stopped_by_sigterm_it_stops_the_bench_it_runs(tmp_path: Path) -> None:
+    # The bench runs in a session of its own: `timeout` or a kill reaches only the harness.
+    old = _tree(tmp_path, "old", {"W7": "hang"})
+    new = _tree(tmp_path, "new", {"W7": "hang"})
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "runpool.harness.regressions", "--old", str(old), "--new",
+         str(new), "--dsn", "DSN", "--pairs", "1", "--workloads", "W7",
+         "--out", str(tmp_path / "s.jsonl")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
+    log = tmp_path / "order.log"
+    wait_for(lambda: log.exists() and log.read_text().startswith("old W7 fit"), 30,
+             what="the first bench to start")
+    harness.terminate()
+    assert harness.wait(timeout=90) != 0
+    assert log.read_text().splitlines() == ["old W7 fit", "old W7 interrupted"]

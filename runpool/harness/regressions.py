@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, tree in trees.items():
         if not (tree / "runpool" / "__main__.py").is_file():
             parser.error(f"--{name} {tree}: no runpool/__main__.py there")
+    # A bench runs in a session of its own: stopped by `timeout` or kill, this process must
+    # stop it too (run_one's KeyboardInterrupt path), or it runs on, orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
     out = args.out or Path(f"/tmp/regressions-{time.strftime('%Y%m%dT%H%M%S')}.jsonl")
     header = {"kind": "header", "old": f"{trees['old']} {_commit(trees['old'])}",
               "new": f"{trees['new']} {_commit(trees['new'])}", "pairs": args.pairs,
@@ -359,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     table, flagged = render(samples, tolerance=args.tolerance)
     print(_summary(header, samples, out) + "\n" + table)
     return 1 if flagged else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _pair(args: argparse.Namespace, trees: dict[str, Path], pair: int, workloads: list[str],
