@@ -71,6 +71,10 @@ class PendingClaim:
     # The schedules' probe and whom to tell its answer (None: not probed in this claim).
     probe: psycopg.AsyncCursor[Any] | None = None
     on_schedules: Callable[[float | None, bool], None] | None = None
+    # The tenant locks' answer and whom to tell whether a quota'd tenant was skipped (its row
+    # held by another transaction): None, not asked.
+    locks: psycopg.AsyncCursor[Any] | None = None
+    on_skipped: Callable[[bool], None] | None = None
 
 
 async def reap(conn: psycopg.AsyncConnection[Any]) -> int:
@@ -91,6 +95,7 @@ async def claim_statements(
     promote: bool = True,
     handlers: Sequence[str] | None = None,
     on_schedules: Callable[[float | None, bool], None] | None = None,
+    on_skipped: Callable[[bool], None] | None = None,
 ) -> PendingClaim:
     """The claim's statements, run inside the caller's pipelined transaction. Returns the
     pending claim, to be read after COMMIT (read_claimed): a run is handed to a handler only
@@ -111,6 +116,8 @@ async def claim_statements(
     cadence, not on every claim. With `handlers`, only runs of those handlers are claimed (a
     mixed fleet: another pool's runs wait for it). With `on_schedules`, the reap also probes
     the schedules' earliest plan and tells it (seconds until it, whether one needs planning).
+    With `on_skipped`, it is told whether the claim passed over a quota'd tenant whose row
+    another transaction held (see lock_tenants): that tenant's runs need another claim soon.
     """
     probe = None
     if reap_expired:
@@ -139,14 +146,15 @@ async def claim_statements(
         names = [h for (h,) in await cur.fetchall()]
     else:
         names = list(handlers)
-    await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
+    locks = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
     faults.hit("claim.locked", conn)
     claimed = conn.cursor(row_factory=dict_row)
     claimed.adapters.register_loader("jsonb", _JsonText)
     await claimed.execute(QUERIES["claim_runs"], {
         "limit": limit, "worker_id": worker_id, "lease_seconds": lease_seconds,
         "handlers": names})
-    return PendingClaim(claimed, probe, on_schedules)
+    return PendingClaim(claimed, probe, on_schedules,
+                        locks if on_skipped is not None else None, on_skipped)
 
 
 async def read_claimed(pending: PendingClaim | None) -> list[ClaimedRun]:
@@ -157,6 +165,10 @@ async def read_claimed(pending: PendingClaim | None) -> list[ClaimedRun]:
         seen = await pending.probe.fetchone()
         if seen is not None:
             pending.on_schedules(seen[0], bool(seen[1]))
+    if pending.locks is not None and pending.on_skipped is not None:
+        # Skipped tenants come last (lock_tenants' order).
+        rows = await pending.locks.fetchall()
+        pending.on_skipped(bool(rows) and bool(rows[-1][2]))
     return [ClaimedRun(**row) for row in await pending.claimed.fetchall()]
 
 

@@ -161,16 +161,20 @@ SELECT handler FROM every_handler;
 -- name: lock_tenants
 -- The tenants the claim may take from: of those with runs that can start now (of a handler
 -- this pool serves) and that look under quota, the %(limit)s whose best run ranks best (only
--- they can supply the %(limit)s best runs). Only those with a quota are locked (in tenant
--- order, so claimers never deadlock): the lock is what makes claim_runs' recount of a quota
--- exact. A tenant without one needs no count, and no lock: concurrent claimers take its runs
--- side by side (claim_runs skips the rows another claimer holds), where a lock would queue
--- them all behind one claim's commit (W16: 14 of 16 claimers waiting on one tenant's row).
+-- they can supply the %(limit)s best runs). Only those with a quota are locked: the lock is
+-- what makes claim_runs' recount of a quota exact. A tenant without one needs no count, and
+-- no lock: concurrent claimers take its runs side by side (claim_runs skips the rows another
+-- claimer holds), where a lock would queue them all behind one claim's commit (W16: 14 of 16
+-- claimers waiting on one tenant's row). A quota'd tenant whose row another transaction holds
+-- (another claimer, or an operator's open set_tenant_quota) is skipped, not waited for: it
+-- gets nothing from this claim, its other tenants are not held up (they waited out the lock
+-- before), and it comes back marked `skipped`, so the worker claims again shortly (see
+-- Worker; set_tenant_quota also rings the doorbell at its commit).
 -- The count here may be stale; claim_runs recounts under the lock. Each tenant comes with
 -- whether it was locked: claim_runs takes nothing of one that got a quota since (see there).
 -- Both lists are also left in the transaction's settings runpool.claim_tenants and
 -- runpool.claim_limited, where claim_runs reads them: the two statements travel in one round
--- trip, the claim never waiting on this answer.
+-- trip, the claim never waiting on this answer (read after COMMIT).
 WITH RECURSIVE served AS (
     -- A loose index scan per served handler: one probe per tenant with ready runs of it,
     -- giving its best rank. Runs of handlers this pool does not serve are never read.
@@ -203,7 +207,7 @@ limited AS (
     FROM runpool.tenants t
     WHERE t.tenant IN (SELECT tenant FROM best WHERE limited)
     ORDER BY t.tenant
-    FOR NO KEY UPDATE OF t
+    FOR NO KEY UPDATE OF t SKIP LOCKED
 ),
 chosen AS (
     SELECT tenant, false AS limited FROM best WHERE NOT limited
@@ -221,9 +225,16 @@ noted AS (
                       true) AS limited
     FROM chosen
 )
-SELECT c.tenant, c.tenant = ANY(n.limited::text[]) AS limited
-FROM noted n CROSS JOIN LATERAL unnest(n.tenants::text[]) WITH ORDINALITY AS c(tenant, i)
-ORDER BY c.i;
+SELECT tenant, limited, skipped FROM (
+    SELECT c.tenant, c.tenant = ANY(n.limited::text[]) AS limited, false AS skipped, c.i
+    FROM noted n CROSS JOIN LATERAL unnest(n.tenants::text[]) WITH ORDINALITY AS c(tenant, i)
+    UNION ALL
+    -- The quota'd tenants passed over because their row was held.
+    SELECT b.tenant, true, true, NULL
+    FROM best b
+    WHERE b.limited AND b.tenant NOT IN (SELECT tenant FROM limited)
+) AS answer
+ORDER BY skipped, i, tenant;
 
 -- name: claim_runs
 -- Claim up to %(limit)s runs of the tenants chosen by lock_tenants earlier in the same

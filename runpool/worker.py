@@ -58,6 +58,12 @@ REAP_INTERVAL = 1.0
 # claims (a wake-up, a free slot, the poll) always promote: a run whose time came while the
 # worker was saturated waits for a slot anyway, and at most this much longer for its turn.
 PROMOTE_INTERVAL = 0.25
+# Seconds before claiming again after a claim skipped a quota'd tenant whose row another
+# transaction held (lock_tenants): usually another worker's claim, gone in a millisecond, so
+# the first retry comes soon; doubling while the row stays held (an operator's open
+# transaction), up to SKIP_RETRY_MAX. An operator's set_tenant_quota rings at its commit.
+SKIP_RETRY_MIN = 0.005
+SKIP_RETRY_MAX = 1.0
 
 
 class Worker:
@@ -99,6 +105,9 @@ class Worker:
         self.listener: Listener | RelayReader | None = None
         self.scheduler: Scheduler | None = None
         self._claim_budget = ClaimBudget()
+        # The retry after a claim skipped a held tenant (see _skipped).
+        self._skip_delay = SKIP_RETRY_MIN
+        self._skip_retry: asyncio.TimerHandle | None = None
         # Every claim's duration, told on the worker's last log line (see claim_times).
         self.claim_times = ClaimTimes()
         self._log = {"worker_id": str(self.id)}
@@ -297,7 +306,23 @@ class Worker:
                 "touch": self._touch.due(now), "reap_expired": self._reap.due(now),
                 "promote": not refill or self._promote.due(now),
                 "handlers": self.app.names,
-                "on_schedules": self.scheduler.observe if self.scheduler else None}
+                "on_schedules": self.scheduler.observe if self.scheduler else None,
+                "on_skipped": self._skipped}
+
+    def _skipped(self, skipped: bool) -> None:
+        """Told after each claim: whether it skipped a quota'd tenant whose row was held. Its
+        runs are claimed by a retry (nobody rings when a lock goes)."""
+        if not skipped:
+            self._skip_delay = SKIP_RETRY_MIN
+            return
+        if self._skip_retry is None or self._skip_retry.cancelled():
+            self._skip_retry = asyncio.get_running_loop().call_later(
+                self._skip_delay, self._retry_skipped)
+            self._skip_delay = min(self._skip_delay * 2, SKIP_RETRY_MAX)
+
+    def _retry_skipped(self) -> None:
+        self._skip_retry = None
+        self._attention.set()
 
     async def _claim(self, limit: int) -> list[tuple[ClaimedRun, float]]:
         """Claimed runs, each with the local time the claim was sent: the lease started no

@@ -1,5 +1,6 @@
 """Attacks on the one-round-trip claim (db.one_trip): a claim task cancelled mid-trip, a
-statement of the trip failing, a transaction-local setting outliving its claim."""
+statement of the trip failing, a transaction-local setting outliving its claim, a quota'd
+tenant's row held open by an operator (skipped, never waited for)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from runpool.harness.measure import wait_until
 from runpool.queries import QUERIES
 from runpool.testing.proxy import Proxy
 
+from .helpers import running_pool, status_of, wait_for
 from .pgbouncer import pgbouncer
 
 IDLE = psycopg.pq.TransactionStatus.IDLE
@@ -35,24 +37,22 @@ async def _wait_lock(dsn: str, pid: int) -> None:
 
 
 def _held_tenant_and_a_free_one(conn: psycopg.Connection, dsn: str) -> psycopg.Connection:
-    """A run of quota'd tenant 'held' and one of 'free'; the returned (hostile) connection holds
-    'held''s row in an open transaction."""
+    """A run of quota'd tenant 'held' and one of 'free'; the returned (hostile) connection
+    blocks every claim's tenant locks in an open transaction. A table lock: a quota'd tenant's
+    row held open is skipped, never waited for (the tests below), but no claim can
+    skip a lock on the table its locks need."""
     conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
     runpool.enqueue(conn, "held", "noop")
     runpool.enqueue(conn, "free", "noop")
     conn.commit()
     hostile = psycopg.connect(dsn)
-    hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+    hostile.execute("LOCK TABLE runpool.tenants IN EXCLUSIVE MODE")
     return hostile
+
 
 def test_one_trip__a_claim_cancelled_while_blocked_rolls_back_and_leaves_idle(
         conn: psycopg.Connection, dsn: str) -> None:
-    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
-    held = runpool.enqueue(conn, "held", "noop")
-    free = runpool.enqueue(conn, "free", "noop")
-    conn.commit()
-    hostile = psycopg.connect(dsn)
-    hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+    hostile = _held_tenant_and_a_free_one(conn, dsn)
 
     async def main() -> tuple[object, object, int]:
         async with await aconnect(dsn, autocommit=True) as c:
@@ -74,8 +74,8 @@ def test_one_trip__a_claim_cancelled_while_blocked_rolls_back_and_leaves_idle(
     finally:
         hostile.close()
     assert (status, pipe, got) == (IDLE, psycopg.pq.PipelineStatus.OFF, 2)
-    assert {r for (r,) in conn.execute("SELECT id FROM runpool.runs WHERE status = 'running'")
-            } == {held, free}
+    assert {t for (t,) in conn.execute(
+        "SELECT tenant FROM runpool.runs WHERE status = 'running'")} == {"held", "free"}
 
 
 @pytest.mark.parametrize("delay_us", range(0, 3000, 191))
@@ -114,14 +114,14 @@ def test_one_trip__a_claim_cancelled_anywhere_strands_nothing_silently(
 
 def test_one_trip__a_trip_committed_after_its_connection_was_cut_is_reclaimed_once(
         conn: psycopg.Connection, dsn: str) -> None:
-    """The whole trip reached the server, then the path broke while the claim waited on a
-    tenant lock: the server commits the claim nobody hears about. The run stays leased until
+    """The whole trip reached the server, then the path broke while the claim waited on the
+    tenants' lock: the server commits the claim nobody hears about. The run stays leased until
     the lease expires, then the next claim takes it again (attempt 2), once."""
     conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
     run_id = runpool.enqueue(conn, "held", "noop")
     conn.commit()
     hostile = psycopg.connect(dsn)
-    hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+    hostile.execute("LOCK TABLE runpool.tenants IN EXCLUSIVE MODE")
     proxy = Proxy(dsn)
     lost = uuid.uuid4()
 
@@ -164,7 +164,7 @@ def test_one_trip__a_trip_committed_after_its_connection_was_cut_is_reclaimed_on
 
 def test_one_trip__a_lock_timeout_in_the_locks_rolls_back_and_the_next_trip_claims(
         conn: psycopg.Connection, dsn: str) -> None:
-    """A hostile open transaction holds a quota'd tenant's row: the trip's lock_tenants hits
+    """A hostile open transaction holds the tenants table: the trip's lock_tenants hits
     lock_timeout, the server skips the claim and COMMIT, one_trip rolls back, and the same
     connection's next trip (the hostile gone) claims every tenant's run."""
     hostile = _held_tenant_and_a_free_one(conn, dsn)
@@ -262,3 +262,70 @@ async def _pid_waiting(dsn: str) -> int:
                 return int(row[0])
             await asyncio.sleep(0.01)
     raise AssertionError("no claim waited on the tenant lock")
+
+
+# How an operator holds a quota'd tenant's row: set_tenant_quota (which rings the doorbell at
+# its commit), or a bare row lock (which rings nothing: the worker's retry must find it).
+HOLDS = {"set_tenant_quota": "SELECT runpool.set_tenant_quota('held', 5)",
+         "row_lock": "SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE"}
+
+
+def test_held_tenant__a_claim_skips_it_takes_the_others_and_says_it_skipped(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """An operator's open transaction on a quota'd tenant's row: the claim takes the other
+    tenants' runs without waiting for the lock (before: every claim picking that tenant
+    waited out its lock timeout, here none is set, so it would hang), says it skipped one,
+    and once the lock goes the next claim takes the held tenant's run."""
+    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
+    held = runpool.enqueue(conn, "held", "noop")
+    free = [runpool.enqueue(conn, f"free{i}", "noop") for i in range(3)]
+    conn.commit()
+    hostile = psycopg.connect(dsn)
+    hostile.execute(HOLDS["set_tenant_quota"])
+    told: list[bool] = []
+
+    async def one_claim() -> list[uuid.UUID]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            got = await asyncio.wait_for(claim(
+                c, limit=10, worker_id=uuid.uuid4(), lease_seconds=30, handlers=["noop"],
+                on_skipped=told.append), 30)
+            return [r.id for r in got]
+
+    try:
+        first = asyncio.run(one_claim())
+        assert status_of(conn, held) == "queued"
+        hostile.commit()
+    finally:
+        hostile.close()
+    assert sorted(first) == sorted(free)
+    assert asyncio.run(one_claim()) == [held]
+    assert told == [True, False]
+
+
+@pytest.mark.parametrize("hold", sorted(HOLDS))
+def test_held_tenant__a_pool_runs_other_tenants_meanwhile_and_its_runs_after_the_commit(
+        conn: psycopg.Connection, dsn: str, hold: str) -> None:
+    """A real pool (its poll a minute away, so only a doorbell or the skip's retry can start
+    anything late): other tenants' runs, enqueued while the operator holds the quota'd
+    tenant's row, succeed meanwhile; the held tenant's runs stay queued, and start once the
+    operator commits."""
+    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
+    # Enqueued first: an enqueue of the held tenant waits for its row, too (ON CONFLICT).
+    held = [runpool.enqueue(conn, "held", "noop") for _ in range(2)]
+    conn.commit()
+    hostile = psycopg.connect(dsn)
+    hostile.execute(HOLDS[hold])
+    try:
+        with running_pool(dsn, poll_seconds=60):
+            free = []
+            for i in range(4):
+                free.append(runpool.enqueue(conn, f"free{i}", "noop"))
+                conn.commit()
+            wait_for(lambda: all(status_of(conn, r) == "succeeded" for r in free),
+                     timeout=30, what="the other tenants' runs, the held tenant's row locked")
+            assert [status_of(conn, r) for r in held] == ["queued", "queued"]
+            hostile.commit()
+            wait_for(lambda: all(status_of(conn, r) == "succeeded" for r in held),
+                     timeout=30, what="the held tenant's runs, after the operator's commit")
+    finally:
+        hostile.close()
