@@ -53,10 +53,11 @@ logger = logging.getLogger("runpool.worker")
 # Seconds between reaps of expired leases by one busy worker (every claim when idle-polling).
 REAP_INTERVAL = 1.0
 # Seconds between the promotions of due runs (run_at, a retry's backoff, a durable sleep) by
-# the claims that ride on a busy worker's outcome batches: two of the claim's four statements,
-# which would otherwise run in every batch and nearly always find nothing. The worker's own
-# claims (a wake-up, a free slot, the poll) always promote: a run whose time came while the
-# worker was saturated waits for a slot anyway, and at most this much longer for its turn.
+# the claims that ride on a busy worker's outcome batches, and by the claims a doorbell wakes:
+# two of the claim's statements, which would otherwise run in every batch and on every
+# enqueue's wake-up (W2: four statements instead of six on its path) and nearly always find
+# nothing. The worker's other claims (a free slot, its own retry's timer, the poll) always
+# promote: a run whose time came waits at most this much longer for its turn.
 PROMOTE_INTERVAL = 0.25
 # Seconds before claiming again after a claim skipped a quota'd tenant whose row another
 # transaction held (lock_tenants): usually another worker's claim, gone in a millisecond, so
@@ -108,6 +109,15 @@ class Worker:
         # The retry after a claim skipped a held tenant (see _skipped).
         self._skip_delay = SKIP_RETRY_MIN
         self._skip_retry: asyncio.TimerHandle | None = None
+        # Whether the loop's next claim promotes due runs whatever PROMOTE_INTERVAL says (the
+        # first, a poll's, a freed slot's, a retry's; not a doorbell's).
+        self._promote_next = True
+        # Freed slots whose outcome batch's refill came back short (it found nothing more to
+        # claim, in the transaction that freed them): their vacate need not claim again. W2:
+        # one claim per run instead of two (the second found nothing, and a doorbell that
+        # came during it waited for it). See _slot_freed and started.
+        self._covered = 0
+        self._refill = (0, 0)
         # Every claim's duration, told on the worker's last log line (see claim_times).
         self.claim_times = ClaimTimes()
         self._log = {"worker_id": str(self.id)}
@@ -141,7 +151,7 @@ class Worker:
             progress = Publisher(self._pool, log=self._log)
             self._runner = SlotRunner(
                 settings=s, app=self.app, pool=self._pool, outcomes=writer, slots=self.slots,
-                log=self._log, wake=self._attention.set, on_stuck=self._exit_stuck,
+                log=self._log, wake=self._slot_freed, on_stuck=self._exit_stuck,
                 progress=progress)
             self._leases = LeaseKeeper(
                 settings=s, dsn=self.dsn, worker_id=self.id, pool=self._pool, slots=self.slots,
@@ -271,6 +281,7 @@ class Worker:
                     continue
             if not await self._attend(max(next_poll - time.monotonic(), 0)):
                 next_poll = time.monotonic() + self._poll_delay()
+                self._promote_next = True
             else:
                 # A burst of wake-ups (forged, or many workers racing for one run) waits here;
                 # the wake-ups meanwhile fold into one claim.
@@ -298,13 +309,20 @@ class Worker:
 
     def _claim_options(self, *, refill: bool) -> dict[str, Any]:
         now = time.monotonic()
+        promote = self._promote.due(now)
         if not refill:
-            self._promote.done(now)
+            if self._promote_next:
+                promote = True
+                self._promote.done(now)
+            self._promote_next = False
+            # This claim looks for work afresh: no vacate is left for an earlier refill to
+            # cover.
+            self._covered = 0
         # Marked done when sent: a failed claim is simply repeated at the next one. Reclaiming
         # within a second of expiry is plenty; a claim every few ms need not reap.
         return {"worker_id": self.id, "lease_seconds": self.settings.lease_seconds,
                 "touch": self._touch.due(now), "reap_expired": self._reap.due(now),
-                "promote": not refill or self._promote.due(now),
+                "promote": promote,
                 "handlers": self.app.names,
                 "on_schedules": self.scheduler.observe if self.scheduler else None,
                 "on_skipped": self._skipped}
@@ -322,6 +340,15 @@ class Worker:
 
     def _retry_skipped(self) -> None:
         self._skip_retry = None
+        self._attention.set()
+
+    def _slot_freed(self) -> None:
+        """The slot runner's wake-up: a slot freed, or its run's retry is due. Claims (and
+        promotes) unless a refill that came back short covered the freed slot."""
+        if self._covered > 0:
+            self._covered -= 1
+            return
+        self._promote_next = True
         self._attention.set()
 
     async def _claim(self, limit: int) -> list[tuple[ClaimedRun, float]]:
@@ -347,13 +374,21 @@ class Worker:
     def capacity(self, freed: int) -> int:
         if self._stop is None or self._stop.is_set():
             return 0
-        return max(self.settings.concurrency - len(self.slots) - self._reserved + freed, 0)
+        room = max(self.settings.concurrency - len(self.slots) - self._reserved + freed, 0)
+        # (the writer sends one batch at a time: its refill, if any, is this one's)
+        self._refill = (freed, room)
+        return room
 
     async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
                          ) -> PendingClaim:
         return await claim_statements(conn, limit=limit, **self._claim_options(refill=True))
 
     def started(self, claimed: list[ClaimedRun], sent: float) -> None:
+        freed, room = self._refill
+        if len(claimed) < room:
+            # Nothing more to claim as of this commit: the batch's slots need no claim of
+            # their own when they are vacated (work that comes later rings the doorbell).
+            self._covered += freed
         self.claim_times.record(time.monotonic() - sent, len(claimed))
         for c in claimed:
             self._start(c, sent)
