@@ -45,6 +45,7 @@ from .scheduler import Scheduler, upsert_schedules
 from .settings import Settings
 from .slot import Slot, Slots
 from .tasks import cancel_all
+from .wakeups import Wakeups
 
 __all__ = ["Worker"]
 
@@ -52,19 +53,6 @@ logger = logging.getLogger("runpool.worker")
 
 # Seconds between reaps of expired leases by one busy worker (every claim when idle-polling).
 REAP_INTERVAL = 1.0
-# Seconds between the promotions of due runs (run_at, a retry's backoff, a durable sleep) by
-# the claims that ride on a busy worker's outcome batches, and by the claims a doorbell wakes:
-# two of the claim's statements, which would otherwise run in every batch and on every
-# enqueue's wake-up (W2: four statements instead of six on its path) and nearly always find
-# nothing. The worker's other claims (a free slot, its own retry's timer, the poll) always
-# promote: a run whose time came waits at most this much longer for its turn.
-PROMOTE_INTERVAL = 0.25
-# Seconds before claiming again after a claim skipped a quota'd tenant whose row another
-# transaction held (lock_tenants): usually another worker's claim, gone in a millisecond, so
-# the first retry comes soon; doubling while the row stays held (an operator's open
-# transaction), up to SKIP_RETRY_MAX. An operator's set_tenant_quota rings at its commit.
-SKIP_RETRY_MIN = 0.005
-SKIP_RETRY_MAX = 1.0
 
 
 class Worker:
@@ -94,7 +82,6 @@ class Worker:
         # Showing the database this worker is alive: a heartbeat does, else an idle claim.
         self._touch = Cadence(settings.heartbeat_seconds)
         self._reap = Cadence(REAP_INTERVAL)
-        self._promote = Cadence(PROMOTE_INTERVAL)
         # Bound on one claim transaction (normally milliseconds): a silent server must not
         # stall the loop for longer than a fraction of a lease.
         self._db_timeout = max(2.0, min(10.0, settings.lease_seconds / 3))
@@ -106,18 +93,8 @@ class Worker:
         self.listener: Listener | RelayReader | None = None
         self.scheduler: Scheduler | None = None
         self._claim_budget = ClaimBudget()
-        # The retry after a claim skipped a held tenant (see _skipped).
-        self._skip_delay = SKIP_RETRY_MIN
-        self._skip_retry: asyncio.TimerHandle | None = None
-        # Whether the loop's next claim promotes due runs whatever PROMOTE_INTERVAL says (the
-        # first, a poll's, a freed slot's, a retry's; not a doorbell's).
-        self._promote_next = True
-        # Freed slots whose outcome batch's refill came back short (it found nothing more to
-        # claim, in the transaction that freed them): their vacate need not claim again. W2:
-        # one claim per run instead of two (the second found nothing, and a doorbell that
-        # came during it waited for it). See _slot_freed and started.
-        self._covered = 0
-        self._refill = (0, 0)
+        # A freed slot's, the poll's and a skipped tenant's wake-ups (see runpool.wakeups).
+        self._wakeups = Wakeups(self._attention)
         # Every claim's duration, told on the worker's last log line (see claim_times).
         self.claim_times = ClaimTimes()
         self._log = {"worker_id": str(self.id)}
@@ -151,7 +128,7 @@ class Worker:
             progress = Publisher(self._pool, log=self._log)
             self._runner = SlotRunner(
                 settings=s, app=self.app, pool=self._pool, outcomes=writer, slots=self.slots,
-                log=self._log, wake=self._slot_freed, on_stuck=self._exit_stuck,
+                log=self._log, wake=self._wakeups.slot_freed, on_stuck=self._exit_stuck,
                 progress=progress)
             self._leases = LeaseKeeper(
                 settings=s, dsn=self.dsn, worker_id=self.id, pool=self._pool, slots=self.slots,
@@ -281,7 +258,7 @@ class Worker:
                     continue
             if not await self._attend(max(next_poll - time.monotonic(), 0)):
                 next_poll = time.monotonic() + self._poll_delay()
-                self._promote_next = True
+                self._wakeups.polled()
             else:
                 # A burst of wake-ups (forged, or many workers racing for one run) waits here;
                 # the wake-ups meanwhile fold into one claim.
@@ -309,47 +286,14 @@ class Worker:
 
     def _claim_options(self, *, refill: bool) -> dict[str, Any]:
         now = time.monotonic()
-        promote = self._promote.due(now)
-        if not refill:
-            if self._promote_next:
-                promote = True
-                self._promote.done(now)
-            self._promote_next = False
-            # This claim looks for work afresh: no vacate is left for an earlier refill to
-            # cover.
-            self._covered = 0
         # Marked done when sent: a failed claim is simply repeated at the next one. Reclaiming
         # within a second of expiry is plenty; a claim every few ms need not reap.
         return {"worker_id": self.id, "lease_seconds": self.settings.lease_seconds,
                 "touch": self._touch.due(now), "reap_expired": self._reap.due(now),
-                "promote": promote,
+                "promote": self._wakeups.promote(now, refill=refill),
                 "handlers": self.app.names,
                 "on_schedules": self.scheduler.observe if self.scheduler else None,
-                "on_skipped": self._skipped}
-
-    def _skipped(self, skipped: bool) -> None:
-        """Told after each claim: whether it skipped a quota'd tenant whose row was held. Its
-        runs are claimed by a retry (nobody rings when a lock goes)."""
-        if not skipped:
-            self._skip_delay = SKIP_RETRY_MIN
-            return
-        if self._skip_retry is None or self._skip_retry.cancelled():
-            self._skip_retry = asyncio.get_running_loop().call_later(
-                self._skip_delay, self._retry_skipped)
-            self._skip_delay = min(self._skip_delay * 2, SKIP_RETRY_MAX)
-
-    def _retry_skipped(self) -> None:
-        self._skip_retry = None
-        self._attention.set()
-
-    def _slot_freed(self) -> None:
-        """The slot runner's wake-up: a slot freed, or its run's retry is due. Claims (and
-        promotes) unless a refill that came back short covered the freed slot."""
-        if self._covered > 0:
-            self._covered -= 1
-            return
-        self._promote_next = True
-        self._attention.set()
+                "on_skipped": self._wakeups.skipped}
 
     async def _claim(self, limit: int) -> list[tuple[ClaimedRun, float]]:
         """Claimed runs, each with the local time the claim was sent: the lease started no
@@ -375,8 +319,7 @@ class Worker:
         if self._stop is None or self._stop.is_set():
             return 0
         room = max(self.settings.concurrency - len(self.slots) - self._reserved + freed, 0)
-        # (the writer sends one batch at a time: its refill, if any, is this one's)
-        self._refill = (freed, room)
+        self._wakeups.refilling(freed, room)
         return room
 
     async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
@@ -384,11 +327,7 @@ class Worker:
         return await claim_statements(conn, limit=limit, **self._claim_options(refill=True))
 
     def started(self, claimed: list[ClaimedRun], sent: float) -> None:
-        freed, room = self._refill
-        if len(claimed) < room:
-            # Nothing more to claim as of this commit: the batch's slots need no claim of
-            # their own when they are vacated (work that comes later rings the doorbell).
-            self._covered += freed
+        self._wakeups.refilled(len(claimed))
         self.claim_times.record(time.monotonic() - sent, len(claimed))
         for c in claimed:
             self._start(c, sent)

@@ -168,7 +168,7 @@ def test_finish__fenced_by_attempt(conn: psycopg.Connection) -> None:
 def test_claim__without_promote_a_due_run_waits_for_a_claim_that_promotes(
         conn: psycopg.Connection, dsn: str) -> None:
     # A busy worker's refill claims leave the promotion of due runs to a cadence (see
-    # worker.PROMOTE_INTERVAL): such a claim must not see a run whose time came since.
+    # wakeups.PROMOTE_INTERVAL): such a claim must not see a run whose time came since.
     due = runpool.enqueue(conn, "acme", "noop", run_at=datetime.now(UTC) + timedelta(seconds=0.3))
     wait_for(lambda: scalar(conn, "SELECT available_at <= now() FROM runpool.runs WHERE id = %s",
                             due), what="the run's time to come")
