@@ -310,13 +310,14 @@ def test_held_tenant__a_pool_runs_other_tenants_meanwhile_and_its_runs_after_the
     tenant's row, succeed meanwhile; the held tenant's runs stay queued, and start once the
     operator commits."""
     conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
-    # Enqueued first: an enqueue of the held tenant waits for its row, too (ON CONFLICT).
-    held = [runpool.enqueue(conn, "held", "noop") for _ in range(2)]
     conn.commit()
     hostile = psycopg.connect(dsn)
     hostile.execute(HOLDS[hold])
     try:
         with running_pool(dsn, poll_seconds=60):
+            # An enqueue reads the held tenant's row, never waits for it (0021).
+            held = [runpool.enqueue(conn, "held", "noop") for _ in range(2)]
+            conn.commit()
             free = []
             for i in range(4):
                 free.append(runpool.enqueue(conn, f"free{i}", "noop"))
