@@ -176,12 +176,13 @@ async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, no_jit: bool 
                 **options: Any) -> list[ClaimedRun]:
     """Claim up to `limit` runs in one short transaction of their own (never held across
     handler code); `options` are claim_statements' (worker_id, lease_seconds, ...). `no_jit`:
-    turn JIT off for the transaction (False: the session has it off already, see
-    db.WORKER_SESSION; a statement less)."""
+    turn JIT off for the transaction (False: the session has it off already and pins read
+    committed, see db.WORKER_SESSION: a statement less, and no BEGIN and COMMIT either, see
+    one_trip)."""
     if limit <= 0:
         return []
     # BEGIN, the reap, the tenant locks, the claim and COMMIT travel in one round trip.
-    async with one_trip(conn):
+    async with one_trip(conn, pinned=not no_jit):
         if no_jit:
             await conn.execute(NO_JIT)
         cursor = await claim_statements(conn, limit=limit, **options)

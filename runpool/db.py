@@ -324,22 +324,37 @@ ROLLBACK: Final = "ROLLBACK"
 
 
 @contextlib.asynccontextmanager
-async def one_trip(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+async def one_trip(conn: psycopg.AsyncConnection[Any], *, pinned: bool = False
+                   ) -> AsyncIterator[None]:
     """A pipelined transaction whose statements (none of them read before the end) cost one
     round trip: BEGIN, the body and COMMIT behind one Sync. psycopg's transaction() in a
     pipeline syncs at BEGIN and at COMMIT, and its pipeline once more on exit: four round
     trips for a claim. Needs an autocommit connection (the pool's); on any other it falls
     back to transaction(). On an error the server has skipped the rest, COMMIT included, and
-    holds a failed transaction: it is rolled back here (or the connection is gone)."""
+    holds a failed transaction: it is rolled back here (or the connection is gone).
+
+    `pinned`: the session pins read committed (WORKER_SESSION), so the body goes without BEGIN
+    and COMMIT, as the implicit transaction the server keeps open until the pipeline's Sync
+    and commits there: two statements fewer, each a psycopg execute with its own flush and
+    poll (~10 us of CPU). The Sync must then never follow a body that did not finish: an
+    exception in the body closes the connection instead, and the server rolls back what it
+    was sent (a transaction its client never synced)."""
     if not conn.autocommit:
         async with conn.pipeline(), conn.transaction():
             yield
         return
     try:
         async with conn.pipeline():
-            await conn.execute(BEGIN)
-            yield
-            await conn.execute(COMMIT)
+            if not pinned:
+                await conn.execute(BEGIN)
+            try:
+                yield
+            except BaseException:
+                if pinned:
+                    conn.pgconn.finish()
+                raise
+            if not pinned:
+                await conn.execute(COMMIT)
     except BaseException:
         if not conn.closed and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             with contextlib.suppress(psycopg.Error):

@@ -182,7 +182,8 @@ class OutcomeWriter:
                  refill: Refill | None = None, no_jit: bool = True) -> None:
         self._pool = pool
         # Turn JIT off in each refilling transaction (False: the pool's sessions have it off
-        # already, see db.WORKER_SESSION; a statement less per batch).
+        # already and pin read committed, see db.WORKER_SESSION: a statement less per batch,
+        # and the transaction needs no BEGIN and COMMIT, see one_trip).
         self._no_jit = no_jit
         self._worker_id = worker_id
         self._refill = refill
@@ -304,7 +305,7 @@ class OutcomeWriter:
                 assert self._refill is not None
                 # BEGIN, the finishes, the keys' release, the claim and COMMIT travel in one
                 # round trip; the claimed runs are read (and handed over) only after COMMIT.
-                async with one_trip(conn):
+                async with one_trip(conn, pinned=not self._no_jit):
                     if self._no_jit:
                         await conn.execute(NO_JIT)
                     if serial:

@@ -14,8 +14,9 @@ import psycopg
 
 import runpool
 from runpool.claiming import ClaimedRun, PendingClaim, claim, claim_statements
-from runpool.db import aconnect, open_pool
-from runpool.outcomes import OutcomeWriter, from_result
+from runpool.db import aconnect, one_trip, open_pool
+from runpool.outcomes import OutcomeWriter, finish_params, from_result
+from runpool.queries import QUERIES
 
 
 class _Refill:
@@ -59,15 +60,22 @@ def _round_trips(trace: str) -> int:
     return sum(1 for pair in itertools.pairwise(sides) if pair == ("F", "B"))
 
 
-async def _finish_traced(dsn: str, refill: _Refill) -> tuple[str | None, int]:
+def _statements(trace: str) -> int:
+    """The statements the client sent in a libpq protocol trace (one Bind each)."""
+    return sum(1 for line in trace.splitlines() if "\tF\t" in line and "\tBind\t" in line)
+
+
+async def _finish_traced(dsn: str, refill: _Refill, *, pinned: bool = False
+                         ) -> tuple[str | None, int, int]:
     """Claim one run, then write its outcome through an OutcomeWriter whose batch refills:
-    the run's new status and the batch's protocol round trips."""
+    the run's new status, the batch's protocol round trips and statements (`pinned`: the
+    writer is told its pool's sessions are worker sessions)."""
     async with await aconnect(dsn, autocommit=True) as c:
         (first,) = await claim(c, limit=1, worker_id=refill.worker_id, lease_seconds=30,
                                handlers=["noop"])
     pool = await open_pool(dsn, size=1, name="test-outcome-trips")
     try:
-        writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill)
+        writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill, no_jit=not pinned)
         async with pool.connection() as conn:  # the pool's one connection, traced throughout
             traced = conn
         with tempfile.TemporaryFile("w+") as trace:
@@ -81,7 +89,8 @@ async def _finish_traced(dsn: str, refill: _Refill) -> tuple[str | None, int]:
                 writing.cancel()
                 traced.pgconn.untrace()
             trace.seek(0)
-            return status, _round_trips(trace.read())
+            text = trace.read()
+            return status, _round_trips(text), _statements(text)
     finally:
         await pool.close()
 
@@ -91,7 +100,9 @@ def test_outcome_batch__with_its_refill_is_one_round_trip(
     first = runpool.enqueue(conn, "acme", "noop", serial_key="k")
     second = runpool.enqueue(conn, "acme", "noop", serial_key="k")
     refill = _Refill()
-    assert asyncio.run(_finish_traced(dsn, refill)) == ("succeeded", 1)
+    # 14 statements: BEGIN, JIT off, the finishes, the serial keys' three, the claim's seven,
+    # COMMIT.
+    assert asyncio.run(_finish_traced(dsn, refill)) == ("succeeded", 1, 14)
     # The refill claimed the serial key's next run, released by the same transaction, and it
     # was handed over once the transaction had committed.
     assert [c.id for c in refill.handed] == [second]
@@ -115,8 +126,60 @@ def test_outcome_batch__a_failing_refill_does_not_hold_the_outcomes_back(
     first = runpool.enqueue(conn, "acme", "noop")
     second = runpool.enqueue(conn, "acme", "noop")
     refill = _FailingRefill()
-    status, _ = asyncio.run(_finish_traced(dsn, refill))
+    status, _, _ = asyncio.run(_finish_traced(dsn, refill))
     # Rolled back, the batch went again without its refill (on the same, idle, connection).
     assert status == "succeeded"
     assert (refill.handed, refill.committed) == ([], [])
     assert _statuses(conn, first, second) == {first: "succeeded", second: "queued"}
+
+
+def test_outcome_batch__a_worker_sessions_batch_sends_no_begin_and_commit(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """A worker session pins read committed: the batch is the pipeline's implicit transaction,
+    sent without BEGIN and COMMIT (two psycopg executes' CPU per batch): 11 statements, the
+    finishes, the serial keys' three, and the claim's seven (its reap's three, promote_due,
+    wake_due, lock_tenants, claim_runs)."""
+    first = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    second = runpool.enqueue(conn, "acme", "noop", serial_key="k")
+    refill = _Refill()
+    assert asyncio.run(_finish_traced(dsn, refill, pinned=True)) == ("succeeded", 1, 11)
+    assert [c.id for c in refill.handed] == [second]
+    assert refill.committed == [True]
+    assert _statuses(conn, first, second) == {first: "succeeded", second: "running"}
+
+
+async def _finish_then_raise(dsn: str, run: uuid.UUID, attempt: int) -> bool:
+    """A worker session's pinned trip that sent a finish and then raised: whether its
+    connection was closed."""
+    pool = await open_pool(dsn, size=1, name="test-outcome-trips")
+    try:
+        async with pool.connection() as c:
+            try:
+                async with one_trip(c, pinned=True):
+                    await c.execute(QUERIES["finish_runs"], finish_params(
+                        [from_result(run, attempt, {"ok": 1}, max_bytes=1 << 20)]))
+                    await c.execute("SELECT pg_sleep(0.05)")
+                    raise RuntimeError("a bug of ours, mid-trip")
+            except RuntimeError:
+                pass
+            return c.closed
+    finally:
+        await pool.close()
+
+
+def test_one_trip__a_pinned_trip_that_raises_commits_nothing(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Without BEGIN, the pipeline's Sync would commit what the body sent before it raised:
+    a finish without the claim riding with it. The connection is closed instead."""
+    runpool.enqueue(conn, "acme", "noop")
+    conn.commit()
+
+    async def claimed() -> ClaimedRun:
+        async with await aconnect(dsn, autocommit=True) as c:
+            (run,) = await claim(c, limit=1, worker_id=uuid.uuid4(), lease_seconds=30,
+                                 handlers=["noop"])
+            return run
+
+    run = asyncio.run(claimed())
+    assert asyncio.run(_finish_then_raise(dsn, run.id, run.attempt)) is True
+    assert _statuses(conn, run.id) == {run.id: "running"}
