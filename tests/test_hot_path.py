@@ -1,11 +1,12 @@
 """The worker's hot path costs what it should: every statement fits psycopg's query cache (a
 longer one is parsed anew on each execution), finish_runs' parameters, built as array
 literals, store every outcome exactly as the list dumper did, and a run leaves no garbage for
-the cyclic GC."""
+the cyclic GC, and a claimed run is built from its row by position."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import uuid
 from typing import Any
@@ -14,7 +15,7 @@ import psycopg
 from psycopg import _queries
 
 import runpool
-from runpool.claiming import claim
+from runpool.claiming import ClaimedRun, claim
 from runpool.context import Run
 from runpool.db import aconnect, dumps
 from runpool.outcomes import Outcome, finish_params, retry_after
@@ -82,3 +83,12 @@ def test_run__a_finished_attempt_leaves_no_reference_cycle() -> None:
         return gc.collect()
 
     assert asyncio.run(attempt()) == 0
+
+
+def test_claim_runs__answers_in_claimed_runs_field_order(conn: psycopg.Connection) -> None:
+    # read_claimed builds a ClaimedRun from each row by position: the statement's columns are
+    # its fields, in order (a column added to one must be added to the other, in place).
+    cur = conn.execute(QUERIES["claim_runs"], {
+        "limit": 1, "worker_id": uuid.uuid4(), "lease_seconds": 30, "handlers": ["noop"]})
+    assert cur.description is not None
+    assert [d.name for d in cur.description] == [f.name for f in dataclasses.fields(ClaimedRun)]
