@@ -72,11 +72,12 @@ class Attempt:
         self._inflight: dict[str, tuple[str, Any, asyncio.Future[Any]]] = {}
         # Writes of one run are serialised: the message sequence is max + 1 under the fence.
         self._write_lock = asyncio.Lock()
-        self._loop = asyncio.get_running_loop()
         # The worker's flags for this attempt (cancelled, lease lost, closed, lease clock) and
         # its threads; a Run made by hand (a test, a script) gets its own, never set.
-        self._control = (control if control is not None
-                         else RunControl(self._loop, f"runpool-run-{id}"))
+        if control is None:
+            control = RunControl(asyncio.get_running_loop(), f"runpool-run-{id}")
+        self._control = control
+        self._loop = control.loop
         # The budget and the run's totals so far (turns counted from the committed history).
         self._meter = costs.Meter(budget, usage,
                                   sum(m.role == TURN_ROLE for m in self._messages))

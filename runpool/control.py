@@ -29,6 +29,9 @@ class RunControl:
     """On its worker's event loop; the threads of the run only read `closed`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        # The worker's loop, for the attempt and its slot: asyncio.get_running_loop() asks the
+        # OS for the process id on Python 3.11 (a system call), twice per run otherwise.
+        self.loop = loop
         # Threads of this run (a plain handler, plain tools) that have not returned yet. A
         # thread cannot be stopped: the worker keeps the run's slot and lease until none runs.
         self.threads = RunThreads(loop, name)

@@ -112,7 +112,7 @@ class Slot:
         if self._task is not None:
             coro.close()
             raise RuntimeError(f"the slot of run {self.claimed.id} was started already")
-        self._task = asyncio.get_running_loop().create_task(coro, name=f"run-{self.claimed.id}")
+        self._task = self.control.loop.create_task(coro, name=f"run-{self.claimed.id}")
 
     def renew(self, deadline: float) -> None:
         """The lease may now run out at `deadline` (monotonic): the run's tools see it too."""
