@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 import psycopg
+import pytest
 
 import runpool
 from runpool.claiming import ClaimedRun, PendingClaim, claim, claim_statements
@@ -121,13 +122,15 @@ class _FailingRefill(_Refill):
         return await super().statements(conn, limit)
 
 
+@pytest.mark.parametrize("pinned", [False, True])
 def test_outcome_batch__a_failing_refill_does_not_hold_the_outcomes_back(
-        conn: psycopg.Connection, dsn: str) -> None:
+        conn: psycopg.Connection, dsn: str, pinned: bool) -> None:
     first = runpool.enqueue(conn, "acme", "noop")
     second = runpool.enqueue(conn, "acme", "noop")
     refill = _FailingRefill()
-    status, _, _ = asyncio.run(_finish_traced(dsn, refill))
-    # Rolled back, the batch went again without its refill (on the same, idle, connection).
+    status, _, _ = asyncio.run(_finish_traced(dsn, refill, pinned=pinned))
+    # Rolled back (pinned: the Sync ended the failed implicit transaction), the batch went
+    # again without its refill.
     assert status == "succeeded"
     assert (refill.handed, refill.committed) == ([], [])
     assert _statuses(conn, first, second) == {first: "succeeded", second: "queued"}
