@@ -40,7 +40,8 @@ def test_enqueue_async_cancelled_after_the_server_finished__nothing_is_enqueued(
                 pid = conn.info.backend_pid
                 # The key's lock held elsewhere: the call waits in the server until it is freed.
                 hostile.execute("BEGIN")
-                hostile.execute("SELECT pg_advisory_xact_lock(runpool.serial_key_lock('acme', 'k'))")
+                hostile.execute(
+                    "SELECT pg_advisory_xact_lock(runpool.serial_key_lock('acme', 'k'))")
                 task = asyncio.create_task(
                     runpool.enqueue_async(conn, "acme", "noop", serial_key="k"))
                 await until(lambda: scalar(observer, WAIT_EVENT, pid) == "Lock",
