@@ -148,3 +148,24 @@ def test_enqueue_many_refuses_what_enqueue_refuses(
         runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop"),
                                     runpool.RunSpec("acme", "noop", **spec)])
     assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 0
+
+
+def test_enqueue_async_from_concurrent_tasks_on_one_connection_in_a_transaction(
+        dsn: str) -> None:
+    # An AsyncConnection is shared by an application's tasks (psycopg serialises their
+    # statements): several enqueue_async calls gathered on it, in the caller's transaction.
+    # On main each call's savepoint was a psycopg transaction() and all four committed; the
+    # pipelined savepoints of concurrent calls interleave in one pipeline: AttributeError,
+    # "another command is already in progress", and a connection that can no longer commit.
+    async def main() -> list[uuid.UUID]:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            await conn.execute("SELECT 1")  # the caller's open transaction
+            ids = await asyncio.wait_for(asyncio.gather(*(
+                runpool.enqueue_async(conn, "acme", "noop", {"i": i}) for i in range(4))), 60)
+            await conn.commit()
+            return list(ids)
+
+    ids = asyncio.run(main())
+    with psycopg.connect(dsn) as check:
+        stored = {r for (r,) in check.execute("SELECT id FROM runpool.runs")}
+    assert len(set(ids)) == 4 and set(ids) == stored
