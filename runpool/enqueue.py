@@ -12,6 +12,7 @@ from typing import Any, Final
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
 from .db import dumps, jsonb, translate_error
 from .errors import InvalidInput
@@ -144,58 +145,34 @@ def _interval(timeout: float | timedelta | None) -> timedelta | None:
     return timedelta(seconds=timeout)
 
 
-# A savepoint of enqueue's own inside the caller's open transaction: a refusal leaves that
-# transaction usable. Sent with the enqueue and its release behind one Sync (a pipeline): one
-# round trip where psycopg's transaction() costs three (SAVEPOINT, the call, RELEASE).
-SAVEPOINT: Final = "SAVEPOINT runpool_enqueue"
-RELEASE: Final = "RELEASE SAVEPOINT runpool_enqueue"
-ROLLBACK_TO: Final = "ROLLBACK TO SAVEPOINT runpool_enqueue"
-
-
-def _failed(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
-    """Whether conn's transaction has failed (a statement after the savepoint failed)."""
-    return conn.info.transaction_status == pq.TransactionStatus.INERROR
-
-
 def _rows(conn: psycopg.Connection[Any], query: str, params: Any) -> list[tuple[Any, ...]]:
-    """query's rows on conn, in its transaction (behind a savepoint when one is open); the
-    database's refusal of bad input as InvalidInput."""
+    """query's rows on conn, in its transaction; the database's refusal of bad input as
+    InvalidInput. Inside the caller's open transaction the call runs in a savepoint of its own
+    (psycopg's transaction()), so a refusal, or an interruption while the answer is on its way,
+    rolls back only the call and leaves that transaction usable. Rows are tuples whatever
+    conn's row factory is."""
     try:
         if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
-            return conn.execute(query, params).fetchall()
-        try:
-            with conn.pipeline():
-                conn.execute(SAVEPOINT)
-                cur = conn.execute(query, params)
-                conn.execute(RELEASE)
-        except BaseException:
-            # The server skipped the release after the failed call: undo to the savepoint.
-            if _failed(conn):
-                conn.execute(ROLLBACK_TO)
-                conn.execute(RELEASE)
-            raise
-        return cur.fetchall()
+            return conn.cursor(row_factory=tuple_row).execute(query, params).fetchall()
+        with conn.transaction():
+            return conn.cursor(row_factory=tuple_row).execute(query, params).fetchall()
     except psycopg.Error as exc:
         raise translate_error(exc) from exc
 
 
 async def _arows(conn: psycopg.AsyncConnection[Any], query: str, params: Any
                  ) -> list[tuple[Any, ...]]:
-    """The asyncio twin of _rows."""
+    """The asyncio twin of _rows. Its savepoint, not a pipelined one (SAVEPOINT, the call and
+    RELEASE behind one Sync), is what keeps a task cancelled after the server ended the call
+    from leaving the run in the caller's transaction, and concurrent tasks sharing conn from
+    interleaving their statements in one pipeline (tests/test_attack3_enqueue.py)."""
     try:
         if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
-            return await (await conn.execute(query, params)).fetchall()
-        try:
-            async with conn.pipeline():
-                await conn.execute(SAVEPOINT)
-                cur = await conn.execute(query, params)
-                await conn.execute(RELEASE)
-        except BaseException:
-            if _failed(conn):
-                await conn.execute(ROLLBACK_TO)
-                await conn.execute(RELEASE)
-            raise
-        return await cur.fetchall()
+            cur = await conn.cursor(row_factory=tuple_row).execute(query, params)
+            return await cur.fetchall()
+        async with conn.transaction():
+            cur = await conn.cursor(row_factory=tuple_row).execute(query, params)
+            return await cur.fetchall()
     except psycopg.Error as exc:
         raise translate_error(exc) from exc
 

@@ -1,6 +1,8 @@
-"""Enqueue inside the caller's open transaction costs one round trip (its savepoint, the call
-and the release behind one Sync; psycopg's transaction() cost three), and a refusal still
-leaves that transaction usable with its earlier writes."""
+"""Enqueue's round trips: one in autocommit; inside the caller's open transaction three (its
+savepoint, the call and the release: psycopg's transaction(), kept over a pipelined one because
+that one could neither be rolled back after a cancellation nor be shared by concurrent tasks,
+tests/test_attack3_enqueue.py), and a refusal still leaves that transaction usable with its
+earlier writes."""
 
 from __future__ import annotations
 
@@ -36,16 +38,36 @@ def _trips(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
             counted.append(sum(1 for pair in itertools.pairwise(sides) if pair == ("F", "B")))
 
 
-def test_enqueue_in_a_transaction__one_round_trip_and_a_refusal_keeps_it_usable(
+def test_enqueue_in_autocommit__one_round_trip(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with _trips(conn) as trips:
+            runpool.enqueue(conn, "acme", "noop")
+        assert trips() == 1
+        with _trips(conn) as trips:
+            many = runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop")] * 3)
+        assert (trips(), len(many)) == (1, 3)
+
+
+def test_enqueue_async_in_autocommit__one_round_trip(dsn: str) -> None:
+    async def main() -> int:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            with _trips(conn) as trips:
+                await runpool.enqueue_async(conn, "acme", "noop")
+            return trips()
+
+    assert asyncio.run(main()) == 1
+
+
+def test_enqueue_in_a_transaction__three_round_trips_and_a_refusal_keeps_it_usable(
         dsn: str) -> None:
     with psycopg.connect(dsn) as conn:
         conn.execute("SELECT 1")  # the caller's open transaction
         with _trips(conn) as trips:
             first = runpool.enqueue(conn, "acme", "noop")
-        assert trips() == 1
+        assert trips() == 3
         with _trips(conn) as trips:
             many = runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop")] * 3)
-        assert (trips(), len(many)) == (1, 3)
+        assert (trips(), len(many)) == (3, 3)
         with pytest.raises(runpool.InvalidInput, match="priority"):
             runpool.enqueue(conn, "acme", "noop", priority=500)
         with pytest.raises(runpool.InvalidInput, match=r"runs\[1\]"):
@@ -59,7 +81,7 @@ def test_enqueue_in_a_transaction__one_round_trip_and_a_refusal_keeps_it_usable(
         conn.commit()
 
 
-def test_enqueue_async_in_a_transaction__one_round_trip_and_a_refusal_keeps_it_usable(
+def test_enqueue_async_in_a_transaction__three_round_trips_and_a_refusal_keeps_it_usable(
         dsn: str) -> None:
     async def main() -> int:
         async with await psycopg.AsyncConnection.connect(dsn) as conn:
@@ -72,6 +94,6 @@ def test_enqueue_async_in_a_transaction__one_round_trip_and_a_refusal_keeps_it_u
             await conn.commit()
             return trips()
 
-    assert asyncio.run(main()) == 1
+    assert asyncio.run(main()) == 3
     with psycopg.connect(dsn) as conn:
         assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 2
