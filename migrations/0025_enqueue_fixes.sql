@@ -7,6 +7,8 @@
 --     stayed paused: 0021 read the tenant's row (enqueue) or skipped the upsert for a known
 --     tenant (enqueue_many), so neither waited for the operator's update of that row. Both
 --     upsert it again (ON CONFLICT DO NOTHING waits for a transaction updating the row).
+--   * Two enqueue_many calls with the same idempotency keys in opposite orders deadlocked:
+--     keyed runs are inserted in key order (ids still drawn in input order).
 
 -- What is wrong with a run's timeout, in enqueue's words; NULL when nothing (or none given).
 -- `shown` is the value as the caller gave it, when that is not the interval itself
@@ -39,8 +41,8 @@ RETURN CASE WHEN deadline IS NOT NULL AND (NOT isfinite(deadline)
             THEN 'deadline must be a finite time from 1970 to 10 years ahead, got ' || deadline
        END;
 
--- enqueue_many (0021's): timeout and deadline through enqueue's rules, and its tenants
--- upserted (waiting for an operator's uncommitted quota change).
+-- enqueue_many (0021's): timeout and deadline through enqueue's rules, its tenants upserted
+-- (waiting for an operator's uncommitted quota change), keyed runs inserted in key order.
 CREATE OR REPLACE FUNCTION runpool.enqueue_many(runs jsonb) RETURNS SETOF uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
@@ -282,14 +284,18 @@ BEGIN
                q.serial_key, q.position, q.waits,
                coalesce(q.run_at > clock_timestamp(), false), q.is_paused,
                q.timeout, q.deadline, q.budget
-        FROM q ORDER BY q.n
+        -- In key order, not input order: two batches holding the same keys in opposite orders
+        -- would each wait for the other's first key (a deadlock, 40P01). Ids and serial
+        -- positions were drawn in input order above; the earlier of a repeated key still wins.
+        FROM q ORDER BY q.tenant, q.idempotency_key, q.n
         ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
         RETURNING r.id, r.held, r.serial_key
     ), ev AS (
         INSERT INTO runpool.run_events (run_id, kind, attempt, detail)
         SELECT ins.id, 'enqueued', 0, CASE WHEN ins.held
             THEN jsonb_build_object('held_by_serial_key', ins.serial_key) END
-        FROM ins
+        -- The events in input order still (ids grow with it).
+        FROM ins ORDER BY ins.id
     )
     SELECT array_agg(ins.id ORDER BY p.n), array_agg(p.idempotency_key ORDER BY p.n),
            array_agg(p.tenant ORDER BY p.n), count(ins.id)

@@ -13,6 +13,7 @@ from psycopg.types.json import Jsonb
 
 import runpool
 from runpool.db import connect
+from runpool.testing import wait_for
 from tests.helpers import events, run_row, scalar
 
 MANY = "SELECT id FROM runpool.enqueue_many(%s) AS id"
@@ -163,6 +164,66 @@ def test_enqueue_many_sql__concurrent_batches_sharing_keys_get_the_same_ids(dsn:
     with connect(dsn) as c:
         assert scalar(c, "SELECT count(*) FROM runpool.runs") == 200
         assert scalar(c, "SELECT count(*) FROM runpool.run_events") == 200
+
+
+# A test's gate: each transaction's second keyed run waits, before it is inserted, for the
+# advisory lock the test holds (its first run is in by then, and its key taken).
+_GATE = """
+CREATE FUNCTION public.second_run_waits() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE n integer := coalesce(nullif(current_setting('test.keyed', true), ''), '0')::integer + 1;
+BEGIN
+    PERFORM set_config('test.keyed', n::text, true);
+    IF n = 2 THEN
+        PERFORM pg_advisory_xact_lock_shared(4242);
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER second_run_waits BEFORE INSERT ON runpool.runs
+FOR EACH ROW WHEN (NEW.idempotency_key IS NOT NULL) EXECUTE FUNCTION public.second_run_waits();
+"""
+
+
+def test_enqueue_many_sql__two_batches_with_keys_in_opposite_orders_do_not_deadlock(
+        dsn: str) -> None:
+    # Two sessions enqueue the same two keys, one as [a, b], the other as [b, a], and each
+    # has written its first run when the other reaches its second. Inserted in input order,
+    # each first run holds the key the other's second needs: a deadlock (40P01), one batch
+    # lost. Inserted in key order, the second session waits on its first key for the first
+    # session, then finds both keys taken and returns their ids.
+    results: dict[str, list[uuid.UUID]] = {}
+    errors: list[BaseException] = []
+
+    def one(name: str, keys: list[str]) -> None:
+        try:
+            with connect(dsn) as c:
+                results[name] = many(c, [{"tenant": "acme", "handler": "noop",
+                                          "idempotency_key": k} for k in keys])
+                c.commit()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with connect(dsn) as gate, connect(dsn) as observer:
+        gate.autocommit = observer.autocommit = True
+        gate.execute(_GATE)
+        # The tenant known: neither session waits for the other's insertion of its row.
+        gate.execute("INSERT INTO runpool.tenants (tenant) VALUES ('acme')")
+        gate.execute("SELECT pg_advisory_lock(4242)")
+        threads = [threading.Thread(target=one, args=("ab", ["a", "b"])),
+                   threading.Thread(target=one, args=("ba", ["b", "a"]))]
+        for t in threads:
+            t.start()
+        # Both sessions stopped: at the gate, or (in key order) behind the other's first key.
+        wait_for(lambda: scalar(observer, """
+            SELECT count(*) FROM pg_stat_activity
+            WHERE datname = current_database() AND wait_event_type = 'Lock'
+              AND query LIKE '%enqueue_many%'""") == 2, 30,
+                 what="both batches to be waiting")
+        gate.execute("SELECT pg_advisory_unlock(4242)")
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        assert results["ab"] == results["ba"][::-1] and len(set(results["ab"])) == 2
+        assert scalar(observer, "SELECT count(*) FROM runpool.runs") == 2
 
 
 def test_enqueue_many_sql__the_api_role_may_call_it(conn: psycopg.Connection) -> None:
