@@ -4,9 +4,14 @@
 --     checked them with rules written twice. One rule each now (timeout_problem,
 --     deadline_problem), in enqueue's words, called by both.
 --   * A run enqueued while an operator's unpause (set_tenant_quota(t, NULL)) was uncommitted
---     stayed paused: 0021 read the tenant's row (enqueue) or skipped the upsert for a known
---     tenant (enqueue_many), so neither waited for the operator's update of that row. Both
---     upsert it again (ON CONFLICT DO NOTHING waits for a transaction updating the row).
+--     stayed paused (out of the claim's index until a heal sweep): 0021 read the tenant's row
+--     (enqueue) or skipped the upsert for a known tenant (enqueue_many), so neither waited for
+--     the operator's update of that row. A tenant that reads as paused is upserted again
+--     (ON CONFLICT DO NOTHING waits for a transaction updating the row; its quota is then read
+--     anew). One that reads as not paused is not: an enqueue never waits for an operator
+--     holding an unpaused tenant's row (tests/test_attack_one_trip.py). What that leaves: a
+--     run enqueued while a pause (quota 0) is uncommitted is written unpaused, which costs a
+--     claim a look at it but never starts it (the claim checks the quota, tenant_capacity).
 --   * Two enqueue_many calls with the same idempotency keys in opposite orders deadlocked:
 --     keyed runs are inserted in key order (ids still drawn in input order).
 
@@ -41,8 +46,8 @@ RETURN CASE WHEN deadline IS NOT NULL AND (NOT isfinite(deadline)
             THEN 'deadline must be a finite time from 1970 to 10 years ahead, got ' || deadline
        END;
 
--- enqueue_many (0021's): timeout and deadline through enqueue's rules, its tenants upserted
--- (waiting for an operator's uncommitted quota change), keyed runs inserted in key order.
+-- enqueue_many (0021's): timeout and deadline through enqueue's rules, its paused tenants
+-- upserted (waiting for an operator's uncommitted quota change), keyed runs in key order.
 CREATE OR REPLACE FUNCTION runpool.enqueue_many(runs jsonb) RETURNS SETOF uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
@@ -184,12 +189,15 @@ BEGIN
               ORDER BY 1, 2) k;
     END IF;
 
-    -- Upserted even when known (0016's way; 0021 skipped known tenants): the conflict check
-    -- waits for a transaction updating the tenant's row (an operator's set_tenant_quota), so
-    -- the runs' paused flag below reads the quota it committed, and an unpause cannot miss
-    -- them. A tenant already there costs an index probe, no insertion.
+    -- New tenants, and known ones that read as paused, are upserted: the conflict check waits
+    -- for a transaction updating the tenant's row (an operator's set_tenant_quota), so the
+    -- runs' paused flag below (a later statement) reads the quota it committed, and an
+    -- unpause cannot miss them. An unpaused tenant is not: no wait for an operator holding it
+    -- (a run written unpaused is never started against its quota: the claim checks it).
     INSERT INTO runpool.tenants (tenant)
     SELECT t.tenant FROM unnest(run_tenants) AS t(tenant)
+    WHERE NOT EXISTS (SELECT 1 FROM runpool.tenants o
+                      WHERE o.tenant = t.tenant AND o.max_running IS DISTINCT FROM 0)
     ORDER BY 1
     ON CONFLICT DO NOTHING;
 
@@ -321,7 +329,7 @@ END
 $$;
 
 -- enqueue (0021's): timeout and deadline through the shared rules, and the tenant's row
--- upserted again (waiting for an operator's uncommitted quota change).
+-- upserted again when it reads as paused (waiting for an operator's uncommitted quota change).
 CREATE OR REPLACE FUNCTION runpool.enqueue(
     tenant text,
     handler text,
@@ -426,13 +434,18 @@ BEGIN
                               AND r.status IN ('queued', 'running'));
     END IF;
 
-    -- Upserted, not read (0012's way; 0021 read it): the conflict check waits for a
-    -- transaction updating the tenant's row (an operator's set_tenant_quota), so is_paused
-    -- reads the quota it committed and an unpause cannot miss this run. A tenant already
-    -- there costs an index probe, no insertion.
-    INSERT INTO runpool.tenants (tenant) VALUES (enqueue.tenant) ON CONFLICT DO NOTHING;
-    is_paused := EXISTS (SELECT 1 FROM runpool.tenants t
-                         WHERE t.tenant = enqueue.tenant AND t.max_running = 0);
+    -- The tenant's row read (0021: no speculative insertion, no wait for an operator holding
+    -- it). Missing, or paused: upserted, whose conflict check waits for a transaction updating
+    -- the row (an operator's set_tenant_quota), and read again, so an unpause cannot miss this
+    -- run. A pause uncommitted meanwhile leaves the run unpaused: never started against the
+    -- quota (the claim checks it), only looked at.
+    SELECT coalesce(t.max_running = 0, false) INTO is_paused
+    FROM runpool.tenants t WHERE t.tenant = enqueue.tenant;
+    IF NOT FOUND OR is_paused THEN
+        INSERT INTO runpool.tenants (tenant) VALUES (enqueue.tenant) ON CONFLICT DO NOTHING;
+        is_paused := EXISTS (SELECT 1 FROM runpool.tenants t
+                             WHERE t.tenant = enqueue.tenant AND t.max_running = 0);
+    END IF;
     available := greatest(coalesce(enqueue.run_at, clock_timestamp()), clock_timestamp());
     new_rank := runpool.rank(available, enqueue.priority, cfg.aging_seconds);
     -- A time-ordered id (new_run_id): the primary key's new entries land at its right edge.
