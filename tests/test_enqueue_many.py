@@ -226,6 +226,24 @@ def test_enqueue_many_sql__two_batches_with_keys_in_opposite_orders_do_not_deadl
         assert scalar(observer, "SELECT count(*) FROM runpool.runs") == 2
 
 
+def test_enqueue_many_sql__an_operator_holding_an_unpaused_tenant_is_not_waited_for(
+        dsn: str) -> None:
+    # Only a tenant that reads as paused is upserted (0025: so an unpause being committed
+    # cannot miss the batch); an unpaused one is read, as by enqueue (test_attack_one_trip).
+    with connect(dsn) as operator, connect(dsn) as app:
+        operator.execute("SELECT runpool.set_tenant_quota('acme', 5)")
+        operator.commit()
+        operator.execute("SELECT runpool.set_tenant_quota('acme', 3)")  # held, uncommitted
+        # A wait would end in an error here, not hang the test.
+        app.execute("SET lock_timeout = '10s'")
+        ids = many(app, [{"tenant": "acme", "handler": "noop"},
+                         {"tenant": "acme", "handler": "noop", "idempotency_key": "k"}])
+        app.commit()
+        operator.commit()
+        assert len(ids) == 2
+        assert scalar(app, "SELECT count(*) FROM runpool.runs WHERE NOT paused") == 2
+
+
 def test_enqueue_many_sql__the_api_role_may_call_it(conn: psycopg.Connection) -> None:
     conn.execute("SET ROLE runpool_api")
     try:
