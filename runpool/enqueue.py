@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -160,21 +162,35 @@ def _rows(conn: psycopg.Connection[Any], query: str, params: Any) -> list[tuple[
         raise translate_error(exc) from exc
 
 
+# enqueue_async's calls on one connection, one at a time. Tasks sharing a connection would
+# otherwise open their savepoints before any of them released its own (psycopg then raises
+# OutOfOrderTransactionNesting), or see the connection busy with another task's statement,
+# take it for one outside a transaction and run with no savepoint: a refusal then aborted
+# every other task's call and the caller's transaction with them.
+_ASYNC_CALLS: Final[weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], asyncio.Lock]] = \
+    weakref.WeakKeyDictionary()
+
+
 async def _arows(conn: psycopg.AsyncConnection[Any], query: str, params: Any
                  ) -> list[tuple[Any, ...]]:
     """The asyncio twin of _rows. Its savepoint, not a pipelined one (SAVEPOINT, the call and
     RELEASE behind one Sync), is what keeps a task cancelled after the server ended the call
     from leaving the run in the caller's transaction, and concurrent tasks sharing conn from
     interleaving their statements in one pipeline (tests/test_attack3_enqueue.py)."""
-    try:
-        if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
-            cur = await conn.cursor(row_factory=tuple_row).execute(query, params)
-            return await cur.fetchall()
-        async with conn.transaction():
-            cur = await conn.cursor(row_factory=tuple_row).execute(query, params)
-            return await cur.fetchall()
-    except psycopg.Error as exc:
-        raise translate_error(exc) from exc
+    async with _ASYNC_CALLS.setdefault(conn, asyncio.Lock()):
+        # The status with no other task's statement in flight (psycopg holds conn.lock
+        # through each): ACTIVE would say nothing of the transaction.
+        async with conn.lock:
+            in_transaction = conn.info.transaction_status == pq.TransactionStatus.INTRANS
+        try:
+            if not in_transaction:
+                cur = await conn.cursor(row_factory=tuple_row).execute(query, params)
+                return await cur.fetchall()
+            async with conn.transaction():
+                cur = await conn.cursor(row_factory=tuple_row).execute(query, params)
+                return await cur.fetchall()
+        except psycopg.Error as exc:
+            raise translate_error(exc) from exc
 
 
 @contextmanager

@@ -97,3 +97,25 @@ def test_enqueue_async_in_a_transaction__three_round_trips_and_a_refusal_keeps_i
     assert asyncio.run(main()) == 3
     with psycopg.connect(dsn) as conn:
         assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 2
+
+
+def test_enqueue_async_from_concurrent_tasks__a_refusal_costs_only_its_own_call(
+        dsn: str) -> None:
+    # Tasks sharing one connection in the caller's transaction, one of them refused: each call
+    # in a savepoint of its own, so the others' runs stay and the transaction commits. With
+    # every task checking the connection's status unserialised, the later tasks saw it busy
+    # (ACTIVE), ran with no savepoint, and the refusal aborted them all.
+    async def main() -> list[object]:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            await conn.execute("SELECT 1")
+            results = await asyncio.gather(*(
+                runpool.enqueue_async(conn, "acme", "" if i == 1 else "noop", {"i": i})
+                for i in range(4)), return_exceptions=True)
+            await conn.commit()
+            return list(results)
+
+    results = asyncio.run(main())
+    assert [type(r).__name__ for r in results] == ["UUID", "InvalidInput", "UUID", "UUID"]
+    with psycopg.connect(dsn) as conn:
+        assert {r for (r,) in conn.execute("SELECT id FROM runpool.runs")} == \
+            {results[0], results[2], results[3]}
