@@ -251,7 +251,7 @@ def _claim_blocks(conn: psycopg.Connection,
         blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
         chosen = conn.execute(QUERIES["lock_tenants"],
                               {"handlers": handlers, "limit": 10}).fetchall()
-        locked = [t for (t, _) in chosen]
+        locked = [t for (t, _, skipped) in chosen if not skipped]
         stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
             QUERIES["claim_runs"])
         plan = scalar(conn, stmt, {"limit": 10, "handlers": handlers,
