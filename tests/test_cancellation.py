@@ -248,7 +248,7 @@ def test_catalog__every_function_is_definer_pinned_and_not_public(
         WHERE n.nspname = 'runpool'""").fetchall()
     assert {r[0] for r in rows} >= {"enqueue", "cancel_run", "retry_run", "set_tenant_quota",
                                     "explain_run"}
-    # epoch_us (0021, a run id's time) is such an expression too, and so are 0025's timeout
+    # epoch_us (0021, a run id's time) is such an expression too, and so are 0022's timeout
     # rule and its seconds-to-interval step (enqueue's and enqueue_many's).
     assert {r[0] for r in rows if r[4]} == {"attempts_used", "rank", "serial_key_lock",
                                             "serial_commit_lock", "max_name_length",
@@ -257,7 +257,7 @@ def test_catalog__every_function_is_definer_pinned_and_not_public(
     # The doorbell (0018) is inlined too, though volatile (it notifies): same SQL-standard
     # body, no rights of its own; the status statements' counter bump (0020) too (not
     # inlined: called once per statement, for a snapshot of its own); and 0021's run id
-    # parts (volatile: random), inlined into enqueue's statements; and 0025's deadline rule
+    # parts (volatile: random), inlined into enqueue's statements; and 0022's deadline rule
     # (volatile: clock_timestamp()), inlined into enqueue and enqueue_many.
     helpers = ("_ring", "_bump_event_seqs", "new_run_id", "new_run_salt", "deadline_problem")
     inlined = {name for name, definer, config, public, rule in rows

@@ -228,7 +228,7 @@ def test_enqueue_many_sql__two_batches_with_keys_in_opposite_orders_do_not_deadl
 
 def test_enqueue_many_sql__an_operator_holding_an_unpaused_tenant_is_not_waited_for(
         dsn: str) -> None:
-    # Only a tenant that reads as paused is upserted (0025: so an unpause being committed
+    # Only a tenant that reads as paused is upserted (0022: so an unpause being committed
     # cannot miss the batch); an unpaused one is read, as by enqueue (test_attack_one_trip).
     with connect(dsn) as operator, connect(dsn) as app:
         operator.execute("SELECT runpool.set_tenant_quota('acme', 5)")

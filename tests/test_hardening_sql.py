@@ -342,7 +342,7 @@ def test_defect10_functions__pg_catalog_comes_first_in_every_search_path(
         WHERE n.nspname = 'runpool' AND (p.prosqlbody IS NULL OR p.prosecdef
                                          OR p.provolatile = 'v')
           -- the doorbell (0018), the status statements' counter bump (0020), a run id
-          -- with its salt (0021, inlined into enqueue) and the deadline rule (0025, read of
+          -- with its salt (0021, inlined into enqueue) and the deadline rule (0022, read of
           -- clock_timestamp(), inlined into enqueue and enqueue_many): volatile SQL-standard
           -- bodies, no rights of their own
           AND NOT (p.proname IN ('_ring', '_bump_event_seqs', 'new_run_id', 'new_run_salt',

@@ -46,7 +46,7 @@ def test_a_name_one_over_the_limit_is_refused_by_enqueue_with_the_limit_in_the_m
     ("runpool.attempts_used(r.attempt, r.attempt_offset)", "(attempt - attempt_offset)"),
     ("runpool.serial_key_lock(r.tenant, r.serial_key)", "hashtextextended("),
     ("runpool.rank(r.created_at, r.priority, 30.0)", "EXTRACT(epoch FROM created_at)"),
-    # enqueue's and enqueue_many's one timeout and deadline rule (0025): enqueue_many checks
+    # enqueue's and enqueue_many's one timeout and deadline rule (0022): enqueue_many checks
     # each run of a batch with them.
     ("runpool.timeout_problem(runpool.seconds_interval(r.priority), r.tenant)",
      "'1 year'::interval"),

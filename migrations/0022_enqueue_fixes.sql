@@ -1,4 +1,4 @@
--- 0025_enqueue_fixes: what an attack on 0021 found (tests/test_attack3_enqueue.py).
+-- 0022_enqueue_fixes: what an attack on 0021 found (tests/test_attack3_enqueue.py).
 --   * enqueue_many took deadlines and timeouts enqueue refuses (a deadline in the year 9999,
 --     in 1960 or 20 years ahead; a timeout of 365 days, over interval '1 year'): the two
 --     checked them with rules written twice. One rule each now (timeout_problem,
