@@ -11,8 +11,10 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any, Final
 
 import psycopg
+import psycopg.errors
 from psycopg_pool import AsyncConnectionPool
 
 from .db import application_name, open_pool
@@ -28,6 +30,12 @@ logger = logging.getLogger("runpool.worker")
 
 # Seconds before a heartbeat that found rows busy beats again (all of them: one statement).
 BUSY_RETRY_SECONDS = 0.5
+# The longest a heartbeat waits for one busy row's lock (a checkpoint write of this worker
+# holds it for milliseconds; another session's open transaction may hold it for long). All
+# busy rows together wait at most half a heartbeat interval.
+BUSY_WAIT_SECONDS = 1.0
+# Bounds the lock wait of the one statement of its transaction (renew_busy).
+SET_LOCK_TIMEOUT: Final = "SELECT set_config('lock_timeout', %(timeout)s, true)"
 
 
 class Cadence:
@@ -98,9 +106,10 @@ class LeaseKeeper:
                 pool = beat_pool if available else self._pool
                 try:
                     busy = await self._beat(pool)
-                    # A row someone held (a checkpoint batch's fence, an API session's open
-                    # cancel) is tried again soon: waiting a whole interval per busy beat, a
-                    # run written to all the time (W11) went unrenewed until its lease ran out.
+                    # A row held through the beat's wait (an API session's open cancel, a
+                    # slow checkpoint batch) is tried again soon: waiting a whole interval per
+                    # busy beat, a run written to all the time (W11) went unrenewed until its
+                    # lease ran out.
                     interval = (min(BUSY_RETRY_SECONDS, self._settings.heartbeat_seconds)
                                 if busy else self._settings.heartbeat_seconds)
                 except (psycopg.OperationalError, TimeoutError) as exc:
@@ -121,7 +130,8 @@ class LeaseKeeper:
             self._ask_when_due()
 
     async def _beat(self, pool: AsyncConnectionPool) -> int:
-        """Renew every held lease in one statement; how many rows were busy (not renewed)."""
+        """Renew every held lease in one statement, then each one whose row was busy on its
+        own, waiting a moment for its lock; how many rows stayed busy (not renewed)."""
         # A cancelled or draining run may have a thread still running: its lease is renewed
         # until the thread returns (or the worker exits with it).
         slots = [s for s in self._slots if s.stop_reason is not StopReason.LEASE_LOST]
@@ -138,27 +148,60 @@ class LeaseKeeper:
             })
             held = {run_id: (cancel, overdue) for run_id, cancel, overdue
                     in await cur.fetchall()}
-        self._touch.done(sent)
-        busy = 0
-        for slot in slots:
-            if slot.claimed.id in held:
-                cancel, overdue = held[slot.claimed.id]
-                if cancel is None:
-                    # Busy: someone holds the row (an API session's open cancel, say). The
-                    # lease is neither renewed nor lost; the next beat tries again, and the
-                    # watchdog still stops the run if its lease runs out meanwhile.
-                    logger.debug("lease of run %s not renewed: its row is locked",
-                                 slot.claimed.id, extra={"action": "lease_busy", **slot.extra})
-                    busy += 1
-                    continue
-                slot.renew(sent + s.lease_seconds)
-                if cancel:
-                    self._on_cancel(slot)
-                elif overdue and self._on_overdue is not None:
-                    self._on_overdue(slot, overdue)
-            elif not slot.finishing and self._slots.holds(slot):
-                self._on_lost(slot, "the database no longer shows this attempt's lease")
-        return busy
+            self._touch.done(sent)
+            busy = [slot for slot in slots if not self._answer(slot, held, sent)]
+            # The heartbeat task only runs while the worker's handlers wait, which is while
+            # their writes are in flight: a run writing checkpoints back to back was found
+            # busy by nearly every beat, and lost its lease (W8: all three attempts of a
+            # 1,000-call run at a 2 s lease). Waited for, its write ends within moments.
+            until, still = sent + s.heartbeat_seconds / 2, []
+            for slot in busy:
+                wait = min(until - time.monotonic(), BUSY_WAIT_SECONDS)
+                if wait <= 0 or not await self._renew_busy(conn, slot, wait):
+                    still.append(slot)
+        for slot in still:
+            # Busy: someone holds the row (an API session's open cancel, say). The lease is
+            # neither renewed nor lost; the next beat tries again, and the watchdog still
+            # stops the run if its lease runs out meanwhile.
+            logger.debug("lease of run %s not renewed: its row is locked", slot.claimed.id,
+                         extra={"action": "lease_busy", **slot.extra})
+        return len(still)
+
+    async def _renew_busy(self, conn: psycopg.AsyncConnection[Any], slot: Slot,
+                          wait: float) -> bool:
+        """Renew one lease whose row was busy, waiting up to `wait` seconds for its lock, in a
+        transaction of its own (it holds no other row meanwhile: a checkpoint batch holding
+        this row may be waiting for another); False if the row stayed locked."""
+        sent = time.monotonic()
+        try:
+            async with conn.transaction():
+                await conn.execute(SET_LOCK_TIMEOUT, {"timeout": f"{max(1, int(wait * 1000))}ms"})
+                cur = await conn.execute(QUERIES["renew_busy"], {
+                    "id": slot.claimed.id, "attempt": slot.claimed.attempt,
+                    "lease_seconds": self._settings.lease_seconds})
+                row = await cur.fetchone()
+        except psycopg.errors.LockNotAvailable:
+            return False
+        held = {} if row is None else {row[0]: (row[1], row[2])}
+        return self._answer(slot, held, sent)
+
+    def _answer(self, slot: Slot, held: dict[uuid.UUID, tuple[bool | None, str | None]],
+                sent: float) -> bool:
+        """Act on what a renewal answered for `slot` (`held`: the runs still held, by id:
+        whether each has a cancel request, None when its row was busy, and why it is overdue);
+        False if its row was busy."""
+        if slot.claimed.id in held:
+            cancel, overdue = held[slot.claimed.id]
+            if cancel is None:
+                return False
+            slot.renew(sent + self._settings.lease_seconds)
+            if cancel:
+                self._on_cancel(slot)
+            elif overdue and self._on_overdue is not None:
+                self._on_overdue(slot, overdue)
+        elif not slot.finishing and self._slots.holds(slot):
+            self._on_lost(slot, "the database no longer shows this attempt's lease")
+        return True
 
     def _ask_when_due(self) -> None:
         """A run whose timeout or deadline has come by the local clock (from the database's

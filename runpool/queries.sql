@@ -361,6 +361,28 @@ SELECT id, tenant, handler, attempt, attempts_used, max_attempts, input, tracepa
 FROM claimed
 ORDER BY rank;
 
+-- name: renew_busy
+-- Renew one lease the heartbeat found busy, waiting for its row's lock: usually this worker's
+-- own checkpoint write holds it (the fence's share lock) for a moment, and a run writing back
+-- to back is in one nearly always, so a heartbeat that skips it may never renew it. Run alone
+-- in a transaction whose lock_timeout bounds the wait (another session's open cancel may hold
+-- the row much longer), holding no other row while it waits. The row is locked before its
+-- lease is read, as in heartbeat; the same answer as heartbeat's renewed rows.
+WITH locked AS (
+    SELECT id FROM runpool.runs WHERE id = %(id)s
+    FOR NO KEY UPDATE
+)
+UPDATE runpool.runs r SET
+    lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
+FROM locked
+WHERE r.id = locked.id
+  AND r.attempt = %(attempt)s
+  AND r.status = 'running'
+  AND r.lease_expires_at > clock_timestamp()
+RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested,
+          CASE WHEN r.deadline <= clock_timestamp() THEN 'deadline_exceeded'
+               WHEN r.attempt_due <= clock_timestamp() THEN 'timeout' END AS overdue;
+
 -- name: heartbeat
 -- Renew the leases this worker still holds (fenced by attempt) and mark the worker alive;
 -- returns the runs still held and whether each has a cancel request, and, with NULL for the

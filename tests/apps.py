@@ -221,6 +221,16 @@ async def plain_tool(run: runpool.Run) -> Any:
     return await run.tool("c0", "slow", {"steps": run.input.get("steps", 20)}, slow)
 
 
+@app.handler("tool_burst")
+async def tool_burst(run: runpool.Run) -> Any:
+    """Checkpointed tool calls back to back for `seconds` (no other await between them)."""
+    until, calls = time.monotonic() + float(run.input["seconds"]), 0
+    while time.monotonic() < until:
+        await run.tool(f"c{calls}", "echo", {"i": calls}, _echo)
+        calls += 1
+    return {"calls": calls, "attempt": run.attempt}
+
+
 @app.handler("input_types")
 async def input_types(run: runpool.Run) -> Any:
     """Each input value's Python type and exact text (a >64-bit int cannot be returned as is)."""

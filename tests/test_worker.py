@@ -231,6 +231,35 @@ def test_heartbeat__a_row_held_through_beats_is_renewed_soon_after_it_is_let_go(
     assert (row["status"], row["attempt"]) == ("succeeded", 1)
 
 
+# Each write of a tool call holds its run's row a little longer (a slow commit's worth, as on
+# a loaded machine): a trigger on the scratch database's tool_calls.
+SLOW_TOOL_WRITES = """
+CREATE FUNCTION public.slow_write() RETURNS trigger LANGUAGE plpgsql AS
+$$ BEGIN PERFORM pg_sleep(0.02); RETURN NEW; END $$;
+CREATE TRIGGER slow_write BEFORE INSERT OR UPDATE ON runpool.tool_calls
+FOR EACH ROW EXECUTE FUNCTION public.slow_write();
+"""
+
+
+def test_heartbeat__a_run_writing_checkpoints_back_to_back_keeps_its_lease(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # The heartbeat task runs only while the handler awaits, which is while its checkpoint
+    # write is in flight and holds the run's row: a beat that skips locked rows found it busy
+    # nearly every time, and the run lost its lease within a few lease periods (W8: 1,000
+    # calls at a 2 s lease lost it on all three attempts). Here 4 lease periods of such
+    # writes; the row is waited for, so the lease holds throughout.
+    conn.execute(SLOW_TOOL_WRITES)
+    run_id = runpool.enqueue(conn, "acme", "tool_burst", {"seconds": 8}, max_attempts=1)
+    with running_pool(dsn, lease_seconds=2) as pool:
+        wait_for(lambda: _terminal(conn, run_id), timeout=60, what="the run to end")
+        log = pool.log()
+    row = run_row(conn, run_id)
+    assert (row["status"], row["attempt"]) == ("succeeded", 1), (row["error"], log[-3000:])
+    assert row["result"]["calls"] > 20
+    assert events(conn, run_id) == ["enqueued", "claimed", "succeeded"]
+    assert "lease lost" not in log
+
+
 def test_saturated_worker__claims_a_retry_when_its_backoff_ends_not_after_the_drain(
         conn: psycopg.Connection, dsn: str) -> None:
     # A saturated worker claims only on its outcome batches, which promote due runs at a
