@@ -15,8 +15,9 @@ from .measure import bench_pool, percentile, wait_until
 __all__ = ["w7_checkpoint_cost", "w8_resume_cost"]
 
 # Runs that ended, and those of them that did not succeed: a run that failed (W8's lease of
-# 2 s, lost three times on a saturated machine) ends the workload at once with its error,
-# where waiting for it to succeed would take the whole timeout.
+# 2 s, lost three times on a saturated machine while the heartbeat skipped the row the run's
+# own writes held, see runpool.leases) ends the workload at once with its error, where
+# waiting for it to succeed would take the whole timeout.
 ENDED: Final = "SELECT count(*) FROM runpool.runs WHERE finished_at IS NOT NULL"
 NOT_SUCCEEDED: Final = """
 SELECT id, status, attempt, error FROM runpool.runs
