@@ -1,0 +1,124 @@
+"""Attack on the batched checkpoint writes (checkpoints.store BATCH_*, commits._one_trip): a
+batch's writes of one kind go as one statement carrying the writes as a JSON array."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import orjson
+import psycopg
+
+import checkpoints
+from runpool.commits import MAX_INFLIGHT, CommitGroup
+from runpool.db import connect, jsonb, open_pool
+from runpool.enqueue import RunSpec, enqueue_many
+from runpool.waits import signal_run
+
+# The runs as a worker holds them (attempt 1), as runpool.harness.turn_cost does.
+HOLD = """
+UPDATE runpool.runs SET status = 'running', attempt = 1, started_at = now(),
+       lease_expires_at = now() + interval '1 hour'
+WHERE id = ANY(%s)
+"""
+N = 16
+
+
+def _held(dsn: str, n: int, tenant: str = "acme") -> list[uuid.UUID]:
+    with connect(dsn, autocommit=True) as conn:
+        ids = enqueue_many(conn, [RunSpec(tenant, "agent", {})] * n)
+        conn.execute(HOLD, (ids,))
+        return ids
+
+
+def _op(write: checkpoints.Statement) -> Any:
+    async def run(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        return await write.run(conn)
+    return run
+
+
+async def _send(dsn: str, writes: list[checkpoints.Statement]) -> tuple[list[Any], CommitGroup]:
+    """The writes all at once through one CommitGroup (past MAX_INFLIGHT they batch)."""
+    pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack3-batch")
+    try:
+        group = CommitGroup(pool)
+        out = await asyncio.wait_for(asyncio.gather(*(
+            group.write(_op(w), 10, what="test", statement=w) for w in writes),
+            return_exceptions=True), 60)
+        return list(out), group
+    finally:
+        await pool.close()
+
+
+def _results(ids: list[uuid.UUID], values: list[Any]) -> list[checkpoints.Statement]:
+    writes = []
+    for run_id, value in zip(ids, values, strict=True):
+        data = orjson.dumps(value)
+        writes.append(checkpoints.result_write(
+            run_id, 1, "t0", status="succeeded", result=jsonb(data), message_role="tool",
+            message_content=jsonb(data), encoded=(data, data)))
+    return writes
+
+
+def _intents(ids: list[uuid.UUID]) -> list[checkpoints.Statement]:
+    data = orjson.dumps({"q": 1})
+    return [checkpoints.intent_write(i, 1, "t0", "search", jsonb(data), encoded=data)
+            for i in ids]
+
+
+def test_a_tool_returning_none_does_not_roll_back_the_batch_it_is_in(dsn: str) -> None:
+    """A tool that returns None (JSON null: the commonest result of a tool that only acts) is
+    an ordinary write. In a batch statement its null, read by jsonb_to_recordset, becomes SQL
+    NULL, not jsonb 'null': the tool message's content (NOT NULL) fails the whole batch
+    statement, which is rolled back and every write of the batch (other tenants' included)
+    sent again one by one. Expected: the batch's writes all go in batch statements."""
+    ids = _held(dsn, N - 1, "acme") + _held(dsn, 1, "other")
+    out, _ = asyncio.run(_send(dsn, _intents(ids)))
+    assert out == [1] * N
+    values: list[Any] = [{"ok": i} for i in range(N - 1)] + [None]
+    out, group = asyncio.run(_send(dsn, _results(ids, values)))
+    assert all(isinstance(o, int) for o in out), out
+    with connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM runpool.messages").fetchone() == (N,)
+        assert conn.execute("SELECT result = %s::jsonb FROM runpool.tool_calls"
+                            " WHERE run_id = %s", (orjson.dumps(values[-1]).decode(), ids[-1])
+                            ).fetchone() == (True,)
+    # The writes past the first MAX_INFLIGHT went in batches: every one of them carried by a
+    # batch statement (none rolled back and sent again one by one).
+    assert group.pipelined == N - MAX_INFLIGHT, (group.writes, group.pipelined,
+                                                 group.statements, group.commits)
+
+
+def _messages(ids: list[uuid.UUID]) -> list[checkpoints.Statement]:
+    data = orjson.dumps({"turn": 1})
+    return [checkpoints.message_write(i, 1, "assistant", jsonb(data), encoded=data)
+            for i in ids]
+
+
+def test_a_tenant_holding_its_own_run_row_does_not_fail_other_tenants_writes(dsn: str) -> None:
+    """Tenant "evil" signals its own running run inside a transaction it keeps open
+    (runpool.signal_run on the caller's connection: the run row FOR NO KEY UPDATE until it
+    commits). Its run's next checkpoint write waits for that lock, as it would alone. In a
+    batch statement, every other tenant's write in the same batch waits with it and fails
+    with it at the write deadline (DatabaseTimeout), though their rows were free.
+    Expected: only evil's own write waits or fails; acme's writes land."""
+    ids = _held(dsn, N - 1, "acme") + _held(dsn, 1, "evil")
+    evil = ids[-1]
+    with connect(dsn) as hostile:  # a transaction left open (not autocommit)
+        assert signal_run(hostile, evil, "poke", tenant="evil") == "stored"
+
+        async def writes() -> list[Any]:
+            pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack3-batch")
+            try:
+                group = CommitGroup(pool)
+                return list(await asyncio.wait_for(asyncio.gather(*(
+                    group.write(_op(w), 3, what="test", statement=w)
+                    for w in _messages(ids)), return_exceptions=True), 60))
+            finally:
+                await pool.close()
+
+        out = asyncio.run(writes())
+        hostile.rollback()
+    acme = [o for i, o in zip(ids, out, strict=True) if i != evil]
+    assert all(isinstance(o, int) for o in acme), [type(o).__name__ for o in out]
