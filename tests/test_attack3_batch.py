@@ -11,7 +11,7 @@ import orjson
 import psycopg
 
 import checkpoints
-from runpool.commits import MAX_INFLIGHT, CommitGroup
+from runpool.commits import MAX_BATCH, MAX_INFLIGHT, CommitGroup
 from runpool.db import connect, jsonb, open_pool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.waits import signal_run
@@ -122,3 +122,53 @@ def test_a_tenant_holding_its_own_run_row_does_not_fail_other_tenants_writes(dsn
         hostile.rollback()
     acme = [o for i, o in zip(ids, out, strict=True) if i != evil]
     assert all(isinstance(o, int) for o in acme), [type(o).__name__ for o in out]
+
+
+def _peak_mb(dsn: str) -> dict[int, int]:
+    """The peak resident memory (VmHWM, MB) of each backend of the test's pool (the server
+    runs on this machine, as the tests' server does)."""
+    with connect(dsn, autocommit=True) as conn:
+        pids = [pid for pid, in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'attack3%%'")]
+    peaks = {}
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as status:
+            peaks[pid] = next(int(line.split()[1]) // 1024 for line in status
+                              if line.startswith("VmHWM"))
+    return peaks
+
+
+def test_a_batch_of_large_tool_results_costs_the_server_no_more_than_the_results(
+        dsn: str) -> None:
+    """64 runs' tool results of 1 MB each (RUNPOOL_MAX_MESSAGE_BYTES' default: what a tenant
+    may always send) finish at once. As single statements a backend holds one 2 MB write at a
+    time (peak ~10 MB over its start). As one batch statement the server parses one 128 MB
+    JSON array (result and message content spliced twice into each element) into jsonb,
+    then jsonb_to_recordset's rows: one backend peaks ~520 MB over its start (MAX_INFLIGHT
+    such batches per worker at once). Expected: a batch costs a backend less than its
+    payload."""
+    ids = _held(dsn, MAX_BATCH + MAX_INFLIGHT)
+    big = orjson.dumps({"text": "a" * ((1 << 20) - 20)})
+
+    async def main() -> tuple[dict[int, int], dict[int, int]]:
+        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack3-batch")
+        try:
+            group = CommitGroup(pool)
+            await asyncio.gather(*(group.write(_op(w), 30, what="test", statement=w)
+                                   for w in _intents(ids)))
+            before = await asyncio.to_thread(_peak_mb, dsn)
+            writes = [checkpoints.result_write(
+                i, 1, "t0", status="succeeded", result=jsonb(big), message_role="tool",
+                message_content=jsonb(big), encoded=(big, big)) for i in ids]
+            out = await asyncio.wait_for(asyncio.gather(*(
+                group.write(_op(w), 60, what="test", statement=w) for w in writes),
+                return_exceptions=True), 120)
+            assert all(isinstance(o, int) for o in out), out
+            return before, await asyncio.to_thread(_peak_mb, dsn)
+        finally:
+            await pool.close()
+
+    before, after = asyncio.run(main())
+    payload_mb = MAX_BATCH * 2 * len(big) >> 20
+    growth = {pid: after[pid] - before.get(pid, 0) for pid in after}
+    assert max(growth.values()) < payload_mb, (growth, payload_mb)
