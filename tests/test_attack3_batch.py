@@ -172,3 +172,46 @@ def test_a_batch_of_large_tool_results_costs_the_server_no_more_than_the_results
     payload_mb = MAX_BATCH * 2 * len(big) >> 20
     growth = {pid: after[pid] - before.get(pid, 0) for pid in after}
     assert max(growth.values()) < payload_mb, (growth, payload_mb)
+
+
+def test_a_write_beside_a_failing_batch_statement_is_answered(dsn: str) -> None:
+    """A batch of a write without a first-try statement (a repeat, a usage or wait write, or
+    any write of a batch that failed before) and two tool results, one of them None (the
+    batch statement fails: test_a_tool_returning_none...). _together requeues the failed
+    batch statement's writes only: the other write is neither sent nor answered, and its
+    caller (holding its run's write lock) waits forever. With tools returning None, a
+    worker's runs hang this way within seconds. Expected: every write answered."""
+    ids = _held(dsn, MAX_INFLIGHT + 3)
+    fillers, other, results = ids[:MAX_INFLIGHT], ids[MAX_INFLIGHT], ids[MAX_INFLIGHT + 1:]
+    out, _ = asyncio.run(_send(dsn, _intents(results)))
+    assert out == [1, 1]
+    data = orjson.dumps({"turn": 1})
+
+    async def plain(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        return await checkpoints.append_message(conn, other, 1, "assistant", jsonb(data))
+
+    async def main() -> list[str]:
+        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack3-batch")
+        try:
+            group = CommitGroup(pool)
+            # The first MAX_INFLIGHT writes go alone at once; the others wait and go
+            # together in one batch.
+            named = {f"filler {i}": group.write(_op(w), 10, what="test", statement=w)
+                     for i, w in enumerate(_messages(fillers))}
+            named["the other write"] = group.write(plain, 10, what="test")
+            for i, w in enumerate(_results(results, [{"ok": 1}, None])):
+                named[f"result {i}"] = group.write(_op(w), 10, what="test", statement=w)
+            tasks = {asyncio.ensure_future(c): name for name, c in named.items()}
+            # Each write's own deadline is 10 s: by 30 s every one has its answer.
+            done, pending = await asyncio.wait(tasks, timeout=30)
+            for task in pending:
+                task.cancel()
+            assert all(isinstance(t.result(), int) for t in done)
+            return sorted(tasks[t] for t in pending)
+        finally:
+            await pool.close()
+
+    assert asyncio.run(main()) == []
+    with connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM runpool.messages WHERE run_id = %s",
+                            (other,)).fetchone() == (1,)
