@@ -4,6 +4,7 @@ batch's writes of one kind go as one statement carrying the writes as a JSON arr
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 from typing import Any
 
@@ -12,6 +13,7 @@ import psycopg
 
 import checkpoints
 from runpool.commits import MAX_BATCH, MAX_INFLIGHT, CommitGroup
+from runpool.context import Run
 from runpool.db import connect, jsonb, open_pool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.waits import signal_run
@@ -215,3 +217,43 @@ def test_a_write_beside_a_failing_batch_statement_is_answered(dsn: str) -> None:
     with connect(dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM runpool.messages WHERE run_id = %s",
                             (other,)).fetchone() == (1,)
+
+
+def test_agents_whose_tools_return_none_all_finish(dsn: str) -> None:
+    """32 runs of 6 turns (a tool call, a message) through one CommitGroup, as a worker's
+    handlers make them, with a tool that returns None (a tool that only acts). Batches with
+    a None result fail (test_a_tool_returning_none...), their writes are mixed with later
+    first tries, and writes are lost (test_a_write_beside...): runs hang forever holding
+    their write lock (seen: 5-19 of 32), and once, 9 runs failed with InvalidSqlStatementName
+    ('prepared statement "_pg3_1" does not exist'). Expected: every run finishes."""
+    ids = _held(dsn, 32)
+
+    async def act(arguments: Any, key: str) -> None:
+        return None
+
+    async def main() -> tuple[int, list[str]]:
+        pool = await open_pool(dsn, size=6, name="attack3-batch")
+        try:
+            group = CommitGroup(pool)
+
+            async def agent(run_id: uuid.UUID) -> None:
+                run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={},
+                          pool=pool, commits=group)
+                rng = random.Random(str(run_id))
+                for turn in range(6):
+                    await asyncio.sleep(rng.uniform(0, 0.02))
+                    await run.tool(f"t{turn}", "act", {"turn": turn}, act)
+                    await run.add_message("assistant", {"turn": turn})
+
+            tasks = [asyncio.ensure_future(agent(i)) for i in ids]
+            # A write's deadline is 30 s (Run's write_timeout): by 90 s every run is done.
+            done, pending = await asyncio.wait(tasks, timeout=90)
+            return len(pending), [repr(t.exception()) for t in done if t.exception()]
+        finally:
+            await pool.close()
+
+    # Not asyncio.run: a hung run's tool result commit is shielded from cancellation
+    # (finish_anyway) and its write is never answered, so its task would never end.
+    loop = asyncio.new_event_loop()
+    assert loop.run_until_complete(main()) == (0, [])
+    loop.close()
