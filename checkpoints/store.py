@@ -171,7 +171,11 @@ RETURNING 1
 # (Static text joined below; nothing in it is dynamic.)
 BATCH_FENCE: Final = """
 WITH fence AS (
-    SELECT r.id, r.event_seq, w.*
+    SELECT r.id, r.event_seq, w.run_id, w.attempt, w.role, w.call_id, w.name, w.status,
+           -- A JSON null in the array (a tool returning None) is SQL NULL in the record:
+           -- stored as jsonb 'null', as the single statement stores it.
+           coalesce(w.content, 'null') AS content, coalesce(w.arguments, 'null') AS arguments,
+           coalesce(w.result, 'null') AS result
     FROM jsonb_to_recordset(%(rows)s) AS w(run_id uuid, attempt integer, role text,
                                           content jsonb, call_id text, name text,
                                           arguments jsonb, status text, result jsonb)
