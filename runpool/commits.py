@@ -173,39 +173,46 @@ class CommitGroup:
             await self._one_trip(batch, seconds)
             return
         results: list[tuple[_Write, Any]] = []
-        again_later: list[_Write] = []
-        try:
-            async with bounded(self._pool, seconds) as conn, conn.transaction():
-                piped = [w for w in batch if w.statement is not None]
-                piped_ok = 0
-                if len(piped) > 1:
-                    again_later = await self._pipelined(conn, piped, results)
-                    if again_later:
-                        raise _Retry
-                    piped_ok = len(results)
-                    batch = [w for w in batch if w.statement is None]
-                for i, w in enumerate(batch):
-                    if w.done.done():
-                        continue
-                    try:
-                        results.append((w, await w.op(conn, w.tries)))
-                    except psycopg.Error as exc:
-                        if conn.info.transaction_status != pq.TransactionStatus.INERROR:
-                            raise  # the connection itself: every write is answered with it
-                        _answer(w, exc=exc)
-                        again_later = [r for r, _ in results] + batch[i + 1:]
-                        raise _Retry from exc
-                    except Exception as exc:
-                        # Refused without an error (LeaseLost, CallMismatch): nothing written.
-                        _answer(w, exc=exc)
-        except _Retry:
-            self._queue.extendleft(reversed(again_later))
-            return
+        piped = [w for w in batch if w.statement is not None]
+        rest = [w for w in batch if w.statement is None] if len(piped) > 1 else batch
+        piped_ok = 0
+        async with bounded(self._pool, seconds) as conn:
+            try:
+                async with conn.transaction():
+                    if len(piped) > 1:
+                        if await self._pipelined(conn, piped, results):
+                            raise _Retry
+                        piped_ok = len(results)
+                    for w in rest:
+                        if w.done.done():
+                            continue
+                        try:
+                            results.append((w, await w.op(conn, w.tries)))
+                        except psycopg.Error as exc:
+                            if conn.info.transaction_status != pq.TransactionStatus.INERROR:
+                                raise  # the connection itself: every write is answered with it
+                            _answer(w, exc=exc)
+                            raise _Retry from exc
+                        except Exception as exc:
+                            # Refused without an error (LeaseLost, CallMismatch): nothing
+                            # written.
+                            _answer(w, exc=exc)
+            except _Retry:
+                # Rolled back: every write of the batch not answered yet goes again (the
+                # pipelined ones one by one), not only those of the failed statement.
+                if any(w.statement is None for w in piped):
+                    await _discard(conn)  # its pipeline failed
+                self._requeue(batch)
+                return
         self.commits += 1
         self.writes += len(results)
         self.pipelined += piped_ok
         for w, result in results:
             _answer(w, result=result)
+
+    def _requeue(self, batch: list[_Write]) -> None:
+        """The writes of a rolled-back batch not answered yet, first in the queue again."""
+        self._queue.extendleft(reversed([w for w in batch if not w.done.done()]))
 
     async def _one_trip(self, batch: list[_Write], seconds: float) -> None:
         """A batch of first tries (each a Statement) in one round trip: BEGIN, its statements
@@ -220,10 +227,10 @@ class CommitGroup:
             except psycopg.Error:
                 if conn.broken or conn.closed:
                     raise  # the connection itself: every write is answered with it
-                again_later = [w for w in batch if not w.done.done()]
-                for w in again_later:
+                await _discard(conn)
+                for w in batch:
                     w.statement = None
-                self._queue.extendleft(reversed(again_later))
+                self._requeue(batch)
                 return
             self.commits += 1
             self.statements += len(sent)
@@ -263,6 +270,13 @@ class CommitGroup:
 
 
 _NONE: Final = object()
+
+
+async def _discard(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Close a connection whose pipeline the database failed (the pool replaces it): psycopg
+    may count a statement the server skipped after the error as prepared (seen once:
+    InvalidSqlStatementName "_pg3_1" does not exist on the connection's next use)."""
+    await conn.close()
 
 
 def _kinds(piped: list[_Write]) -> list[list[tuple[_Write, Statement]]]:
