@@ -76,6 +76,11 @@ MAX_INFLIGHT: Final = 4
 # The most writes in one transaction: each holds its run's row (share-locked by the fence)
 # until the commit, and a heartbeat skips a locked row, so a batch is kept short.
 MAX_BATCH: Final = 64
+# The most JSON one batch statement carries: the server parses its array whole (and each
+# write's values again as its rows), so a batch of large writes (64 tool results of 1 MB:
+# ~520 MB in one backend) goes as several statements, each a bounded cost; a larger write
+# goes alone.
+MAX_BATCH_BYTES: Final = 4 << 20
 
 
 @dataclass(slots=True)
@@ -281,9 +286,11 @@ async def _discard(conn: psycopg.AsyncConnection[Any]) -> None:
 
 def _kinds(piped: list[_Write]) -> list[list[tuple[_Write, Statement]]]:
     """The writes to send, by statement: those of one batch kind together (one per run: a
-    run's second write in a batch, never made by a worker, goes alone after), the rest (a
-    kind with one write, a write without a batch form) each alone."""
-    kinds: dict[str, list[tuple[_Write, Statement]]] = {}
+    run's second write in a batch, never made by a worker, goes alone after) in statements of
+    at most MAX_BATCH_BYTES, the rest (a kind with one write, a write without a batch form)
+    each alone."""
+    kinds: dict[str, list[list[tuple[_Write, Statement]]]] = {}
+    size: dict[str, int] = {}
     alone: list[list[tuple[_Write, Statement]]] = []
     runs: set[Any] = set()
     for w in piped:
@@ -292,10 +299,15 @@ def _kinds(piped: list[_Write]) -> list[list[tuple[_Write, Statement]]]:
             continue
         if statement.batch is None or statement.params["run_id"] in runs:
             alone.append([(w, statement)])
-        else:
-            runs.add(statement.params["run_id"])
-            kinds.setdefault(statement.batch, []).append((w, statement))
-    return [*kinds.values(), *alone]
+            continue
+        runs.add(statement.params["run_id"])
+        chunks = kinds.setdefault(statement.batch, [[]])
+        if chunks[-1] and size[statement.batch] + len(statement.row) > MAX_BATCH_BYTES:
+            chunks.append([])
+            size[statement.batch] = 0
+        chunks[-1].append((w, statement))
+        size[statement.batch] = size.get(statement.batch, 0) + len(statement.row)
+    return [*(c for chunks in kinds.values() for c in chunks), *alone]
 
 
 async def _send(conn: psycopg.AsyncConnection[Any], kind: list[tuple[_Write, Statement]]
