@@ -257,3 +257,38 @@ def test_agents_whose_tools_return_none_all_finish(dsn: str) -> None:
     loop = asyncio.new_event_loop()
     assert loop.run_until_complete(main()) == (0, [])
     loop.close()
+
+
+def test_a_write_beside_a_batch_statement_the_database_fails_is_answered(dsn: str) -> None:
+    """test_a_write_beside_a_failing_batch_statement..., with a batch statement that still
+    fails once JSON nulls are stored: a message whose role breaks its CHECK (an empty role).
+    Expected: that write gets its error, the other two land."""
+    ids = _held(dsn, MAX_INFLIGHT + 3)
+    fillers, other, messages = ids[:MAX_INFLIGHT], ids[MAX_INFLIGHT], ids[MAX_INFLIGHT + 1:]
+    data = orjson.dumps({"turn": 1})
+
+    async def plain(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        return await checkpoints.append_message(conn, other, 1, "assistant", jsonb(data))
+
+    async def main() -> dict[str, str]:
+        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack3-batch")
+        try:
+            group = CommitGroup(pool)
+            named = {f"filler {i}": group.write(_op(w), 10, what="test", statement=w)
+                     for i, w in enumerate(_messages(fillers))}
+            named["the other write"] = group.write(plain, 10, what="test")
+            for role, run_id in zip(["assistant", ""], messages, strict=True):
+                w = checkpoints.message_write(run_id, 1, role, jsonb(data), encoded=data)
+                named[f"role {role!r}"] = group.write(_op(w), 10, what="test", statement=w)
+            tasks = {asyncio.ensure_future(c): name for name, c in named.items()}
+            done, pending = await asyncio.wait(tasks, timeout=30)
+            for task in pending:
+                task.cancel()
+            return {tasks[t]: "pending" if t in pending else
+                    type(t.exception() or t.result()).__name__ for t in tasks}
+        finally:
+            await pool.close()
+
+    out = asyncio.run(main())
+    assert out.pop("role ''") == "CheckViolation", out
+    assert set(out.values()) == {"int"}, out
