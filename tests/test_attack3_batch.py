@@ -281,7 +281,7 @@ def test_a_write_beside_a_batch_statement_the_database_fails_is_answered(dsn: st
                 w = checkpoints.message_write(run_id, 1, role, jsonb(data), encoded=data)
                 named[f"role {role!r}"] = group.write(_op(w), 10, what="test", statement=w)
             tasks = {asyncio.ensure_future(c): name for name, c in named.items()}
-            done, pending = await asyncio.wait(tasks, timeout=30)
+            _, pending = await asyncio.wait(tasks, timeout=30)
             for task in pending:
                 task.cancel()
             return {tasks[t]: "pending" if t in pending else
