@@ -168,6 +168,8 @@ RETURNING 1
 # not 20. Each write is fenced as its one-statement form above is (the run row share-locked,
 # in id order, only while its attempt holds it); each returns its run id and what its single
 # statement returns; a write refused finds no row and is answered as its single form's is.
+# A run row another transaction holds (a tenant's signal_run left open) is skipped, not
+# waited for: that write returns no row and its sender repeats it alone (only it waits).
 # (Static text joined below; nothing in it is dynamic.)
 BATCH_FENCE: Final = """
 WITH fence AS (
@@ -181,7 +183,7 @@ WITH fence AS (
                                           arguments jsonb, status text, result jsonb)
     JOIN runpool.runs r ON r.id = w.run_id AND r.attempt = w.attempt AND r.status = 'running'
     ORDER BY r.id
-    FOR SHARE OF r
+    FOR SHARE OF r SKIP LOCKED
 )"""
 # Each fenced write's seqs from its run's counter row (EVENT, for many runs).
 BATCH_EVENT: Final = """,

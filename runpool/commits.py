@@ -25,7 +25,10 @@ A write whose Statement has a batch form (checkpoints.store BATCH_*: the write a
 of a JSON array) goes with the batch's other writes of its kind in one statement: a batch of
 first tries is BEGIN, a statement per kind (a message, a tool call's start, its end) and
 COMMIT behind one Sync, one round trip (three before: BEGIN, the pipeline, COMMIT); their
-answers are read after the commit (W11cpu: ~27 writes a batch, three statements).
+answers are read after the commit (W11cpu: ~27 writes a batch, three statements). A batch
+statement carries at most MAX_BATCH_BYTES of JSON (more goes in further statements of its
+kind), and skips a run row another transaction holds: that write, unanswered, goes again in a
+batch of its own (its single statement waits for the row; only it waits).
 
 The writes of one run are serialised by the run (Run._write_lock): a run is in at most one
 batch at a time, and a batch's row locks are of distinct runs, so batches never wait for each
@@ -91,6 +94,9 @@ class _Write:
     done: asyncio.Future[Any]
     # The write as a statement to pipeline (a first try only: a repeat reads back first).
     statement: Statement | None
+    # In a batch of its own: a batch statement skipped it (its run row held by another
+    # transaction), so its single statement may wait, and would hold up a batch with it.
+    alone: bool = False
 
 
 class _Retry(Exception):
@@ -134,8 +140,14 @@ class CommitGroup:
             batch: list[_Write] = []
             while self._queue and len(batch) < MAX_BATCH:
                 w = self._queue.popleft()
-                if not w.done.done():  # its caller gave up (cancelled): never sent
-                    batch.append(w)
+                if w.done.done():  # its caller gave up (cancelled): never sent
+                    continue
+                if w.alone and batch:
+                    self._queue.appendleft(w)
+                    break
+                batch.append(w)
+                if w.alone:
+                    break
             if not batch:
                 return
             self._inflight += 1
@@ -183,11 +195,13 @@ class CommitGroup:
         piped = [w for w in batch if w.statement is not None]
         rest = [w for w in batch if w.statement is None] if len(piped) > 1 else batch
         piped_ok = 0
+        failed = False
         async with bounded(self._pool, seconds) as conn:
             try:
                 async with conn.transaction():
                     if len(piped) > 1:
-                        if await self._pipelined(conn, piped, results):
+                        failed = bool(await self._pipelined(conn, piped, results))
+                        if failed:
                             raise _Retry
                         piped_ok = len(results)
                     for w in rest:
@@ -207,7 +221,7 @@ class CommitGroup:
             except _Retry as exc:
                 # Rolled back: every write of the batch not answered yet goes again (the
                 # pipelined ones one by one), not only those of the failed statement.
-                if any(w.statement is None for w in piped) or _unprepared(exc.__cause__):
+                if failed or _unprepared(exc.__cause__):
                     await _discard(conn)  # its pipeline failed, or its prepared statements
                 self._requeue(batch)
                 return
@@ -216,6 +230,7 @@ class CommitGroup:
         self.pipelined += piped_ok
         for w, result in results:
             _answer(w, result=result)
+        self._requeue(batch)  # those a batch statement skipped, to go alone
 
     def _requeue(self, batch: list[_Write]) -> None:
         """The writes of a rolled-back batch not answered yet, first in the queue again."""
@@ -250,6 +265,7 @@ class CommitGroup:
         self.pipelined += len(results)
         for w, result in results:
             _answer(w, result=result)
+        self._requeue(batch)  # those a batch statement skipped, to go alone
 
     async def _pipelined(self, conn: psycopg.AsyncConnection[Any], piped: list[_Write],
                          results: list[tuple[_Write, Any]]) -> list[_Write]:
@@ -306,9 +322,8 @@ def _retryable(exc: Exception) -> Exception:
 
 def _kinds(piped: list[_Write]) -> list[list[tuple[_Write, Statement]]]:
     """The writes to send, by statement: those of one batch kind together (one per run: a
-    run's second write in a batch, never made by a worker, goes alone after) in statements of
-    at most MAX_BATCH_BYTES, the rest (a kind with one write, a write without a batch form)
-    each alone."""
+    run's second write in a batch, never made by a worker, goes alone after) in batch
+    statements of at most MAX_BATCH_BYTES, a write without a batch form alone."""
     kinds: dict[str, list[list[tuple[_Write, Statement]]]] = {}
     size: dict[str, int] = {}
     alone: list[list[tuple[_Write, Statement]]] = []
@@ -334,24 +349,31 @@ async def _send(conn: psycopg.AsyncConnection[Any], kind: list[tuple[_Write, Sta
                 ) -> psycopg.AsyncCursor[Any]:
     """Send the writes of one kind (_kinds): as their batch statement, or one alone."""
     first = kind[0][1]
-    if len(kind) == 1:
+    if first.batch is None:
         return await conn.execute(first.query, first.params)
-    assert first.batch is not None
+    # A batchable write alone too: its batch statement skips a run row another transaction
+    # holds, where its single statement would hold up the whole batch waiting for it.
     return await conn.execute(first.batch, first.batch_params([st.row for _, st in kind]))
 
 
 async def _answers(conn: psycopg.AsyncConnection[Any], kind: list[tuple[_Write, Statement]],
                    cur: psycopg.AsyncCursor[Any], results: list[tuple[_Write, Any]]) -> None:
     """The answers of the writes of one kind sent by _send, into `results`."""
-    if len(kind) == 1:
+    if kind[0][1].batch is None:
         w, statement = kind[0]
         await _answer_from(conn, w, statement, await cur.fetchone(), results)
         return
-    # A batch returns (run id, value) of each write it made.
+    # A batch returns (run id, value) of each write it made. One it did not make (its run
+    # row held by another transaction and skipped, or the write refused) is left unanswered,
+    # to be sent again alone (its single statement waits for the row, or explains).
     made = {key: value for key, value in await cur.fetchall()}
     for w, statement in kind:
         value = made.get(statement.params["run_id"], _NONE)
-        await _answer_from(conn, w, statement, None if value is _NONE else (value,), results)
+        if value is _NONE:
+            w.statement = None
+            w.alone = True
+        else:
+            await _answer_from(conn, w, statement, (value,), results)
 
 
 async def _answer_from(conn: psycopg.AsyncConnection[Any], w: _Write, statement: Statement,
