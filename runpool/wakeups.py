@@ -1,5 +1,5 @@
 """What the worker's claim loop is woken for, and what its next claim must do: promote due runs
-or not, claim at all when a slot frees, claim again after a held tenant was skipped."""
+or not, claim again after a held tenant was skipped."""
 
 from __future__ import annotations
 
@@ -33,13 +33,6 @@ class Wakeups:
         self._promote = Cadence(PROMOTE_INTERVAL)
         # Whether the loop's next claim promotes whatever PROMOTE_INTERVAL says.
         self._promote_next = True
-        # Freed slots whose outcome batch's refill came back short (it found nothing more to
-        # claim, in the transaction that freed them): their vacate need not claim again. W2:
-        # one claim per run of the worker's own instead of two (the second found nothing, and
-        # a doorbell that rang during it waited for its round trip).
-        self._covered = 0
-        # The current batch's (slots it frees, room its refill was given).
-        self._refill = (0, 0)
         self._skip_delay = SKIP_RETRY_MIN
         self._skip_retry: asyncio.TimerHandle | None = None
 
@@ -47,8 +40,6 @@ class Wakeups:
         """Whether a claim sent now promotes due runs (`refill`: one riding an outcome batch)."""
         if refill:
             return self._promote.due(now)
-        # The loop's claim looks for work afresh: no vacate is left for a refill to cover.
-        self._covered = 0
         if self._promote_next:
             self._promote_next = False
             self._promote.done(now)
@@ -60,26 +51,13 @@ class Wakeups:
         self._promote_next = True
 
     def slot_freed(self) -> None:
-        """The slot runner's wake-up: a slot freed, or its run's retry is due. Wakes the loop
-        (its claim promotes) unless a refill that came back short covered the freed slot."""
-        if self._covered > 0:
-            self._covered -= 1
-            return
+        """The slot runner's wake-up: a slot freed, or its run's retry is due. Wakes the loop,
+        whose claim promotes. Always: a freed slot whose outcome batch's refill came back short
+        once claimed no more (W2: one claim fewer a run), but a doorbell that rang while no
+        slot was free, between that refill and the vacate, was then lost until the poll
+        (attack3: a run waited out a 30 s poll)."""
         self._promote_next = True
         self._attention.set()
-
-    def refilling(self, freed: int, room: int) -> None:
-        """An outcome batch freeing `freed` slots sends a refill for `room` runs (the writer
-        sends one batch at a time)."""
-        self._refill = (freed, room)
-
-    def refilled(self, claimed: int) -> None:
-        """The batch's refill committed, with `claimed` runs."""
-        freed, room = self._refill
-        if claimed < room:
-            # Nothing more to claim as of this commit: the batch's slots need no claim of
-            # their own when they are vacated (work that comes later rings the doorbell).
-            self._covered += freed
 
     def skipped(self, skipped: bool) -> None:
         """Told after each claim: whether it skipped a quota'd tenant whose row was held. Its

@@ -318,16 +318,13 @@ class Worker:
     def capacity(self, freed: int) -> int:
         if self._stop is None or self._stop.is_set():
             return 0
-        room = max(self.settings.concurrency - len(self.slots) - self._reserved + freed, 0)
-        self._wakeups.refilling(freed, room)
-        return room
+        return max(self.settings.concurrency - len(self.slots) - self._reserved + freed, 0)
 
     async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
                          ) -> PendingClaim:
         return await claim_statements(conn, limit=limit, **self._claim_options(refill=True))
 
     def started(self, claimed: list[ClaimedRun], sent: float) -> None:
-        self._wakeups.refilled(len(claimed))
         self.claim_times.record(time.monotonic() - sent, len(claimed))
         for c in claimed:
             self._start(c, sent)
