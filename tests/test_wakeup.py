@@ -3,6 +3,7 @@ the worker, counted, not timed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import time
@@ -25,6 +26,10 @@ def _stopped_claims(log: str) -> dict[str, Any]:
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     (stopped,) = [d for d in lines if d.get("action") == "worker_stopped"]
     return dict(stopped["claims"])
+
+
+def _both_succeeded(conn: psycopg.Connection, x: uuid.UUID, y: uuid.UUID) -> bool:
+    return status_of(conn, x) == status_of(conn, y) == "succeeded"
 
 
 def _wait_succeeded(conn: psycopg.Connection, run_id: uuid.UUID) -> None:
@@ -75,6 +80,6 @@ def test_wakeup__a_doorbell_while_the_only_slot_is_busy_is_not_lost(
                 pass
             y = runpool.enqueue(conn, "b", "noop", {"i": i})
             conn.commit()
-            wait_for(lambda: status_of(conn, x) == status_of(conn, y) == "succeeded",
-                     timeout=20, what=f"try {i}: both runs, y started by its doorbell")
+            wait_for(functools.partial(_both_succeeded, conn, x, y), timeout=20,
+                     what=f"try {i}: both runs, y started by its doorbell")
         assert pool.poll() is None
