@@ -1,0 +1,69 @@
+"""Attacks on the claim's wake-ups (lock_tenants skipping a held quota'd tenant, the skip's
+retry, the promotion cadence, a freed slot covered by its refill) and on the outcome batch's
+array literals (outcomes.finish_params)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+
+import runpool
+from runpool.claiming import claim
+from runpool.db import aconnect
+
+from .helpers import running_pool, status_of, wait_for
+
+
+def test_held_tenant__a_claim_of_one_takes_another_tenants_run_not_nothing(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """The claim-level form of the test below: the held tenant ranks best, a claim of one run
+    comes back empty (and says it skipped), though another tenant's run is ready."""
+    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
+    runpool.enqueue(conn, "held", "noop")
+    free = runpool.enqueue(conn, "free", "noop")
+    conn.commit()
+    hostile = psycopg.connect(dsn)
+    hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+    told: list[bool] = []
+
+    async def one_claim() -> list[uuid.UUID]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            got = await asyncio.wait_for(claim(
+                c, limit=1, worker_id=uuid.uuid4(), lease_seconds=30, handlers=["noop"],
+                on_skipped=told.append), 30)
+            return [r.id for r in got]
+
+    try:
+        got = asyncio.run(one_claim())
+    finally:
+        hostile.close()
+    assert (got, told) == ([free], [True])
+
+
+def test_held_tenant__a_one_slot_pool_runs_other_tenants_while_the_best_ranked_is_held(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """lock_tenants says a quota'd tenant whose row another transaction holds is skipped and
+    'its other tenants are not held up'. But the skipped tenant still takes one of the
+    claim's %(limit)s places in `best`: when it ranks best (its runs are the oldest, and
+    they only grow older while it is held) a claim of one run (a one-slot worker, or any
+    worker's last free slot, or a refill for one freed slot) takes nothing at all, retried
+    forever. Here every other tenant's run waits for the operator's commit."""
+    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
+    held = runpool.enqueue(conn, "held", "noop")
+    conn.commit()
+    hostile = psycopg.connect(dsn)
+    hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+    try:
+        with running_pool(dsn, concurrency=1, poll_seconds=1):
+            free = [runpool.enqueue(conn, f"free{i}", "noop") for i in range(3)]
+            conn.commit()
+            wait_for(lambda: all(status_of(conn, r) == "succeeded" for r in free),
+                     timeout=30, what="the other tenants' runs, one quota'd tenant's row held")
+            assert status_of(conn, held) == "queued"
+            hostile.commit()
+            wait_for(lambda: status_of(conn, held) == "succeeded", timeout=30,
+                     what="the held tenant's run, after the operator's commit")
+    finally:
+        hostile.close()
