@@ -161,15 +161,20 @@ SELECT handler FROM every_handler;
 -- name: lock_tenants
 -- The tenants the claim may take from: of those with runs that can start now (of a handler
 -- this pool serves) and that look under quota, the %(limit)s whose best run ranks best (only
--- they can supply the %(limit)s best runs). Only those with a quota are locked: the lock is
--- what makes claim_runs' recount of a quota exact. A tenant without one needs no count, and
--- no lock: concurrent claimers take its runs side by side (claim_runs skips the rows another
--- claimer holds), where a lock would queue them all behind one claim's commit (W16: 14 of 16
--- claimers waiting on one tenant's row). A quota'd tenant whose row another transaction holds
--- (another claimer, or an operator's open set_tenant_quota) is skipped, not waited for: it
--- gets nothing from this claim, its other tenants are not held up (they waited out the lock
--- before), and it comes back marked `skipped`, so the worker claims again shortly (see
--- Worker; set_tenant_quota also rings the doorbell at its commit).
+-- they can supply the %(limit)s best runs), among those it could lock. Only those with a
+-- quota are locked: the lock is what makes claim_runs' recount of a quota exact. A tenant
+-- without one needs no count, and no lock: concurrent claimers take its runs side by side
+-- (claim_runs skips the rows another claimer holds), where a lock would queue them all behind
+-- one claim's commit (W16: 14 of 16 claimers waiting on one tenant's row). A quota'd tenant
+-- whose row another transaction holds (another claimer, or an operator's open
+-- set_tenant_quota) is skipped, not waited for: it gets nothing from this claim, and the
+-- next-ranked tenant takes its place (a claim of one run, a one-slot worker's or a last free
+-- slot's, would otherwise get nothing for as long as the best-ranked tenant is held). It comes
+-- back marked `skipped`, so the worker claims again shortly (see Worker; set_tenant_quota
+-- also rings the doorbell at its commit).
+-- The candidates are walked in rank order, each quota'd one locked as it is reached, until
+-- %(limit)s are chosen: a quota'd tenant ranked below them is not locked (another claimer
+-- may want it), nor is one that could not be.
 -- The count here may be stale; claim_runs recounts under the lock. Each tenant comes with
 -- whether it was locked: claim_runs takes nothing of one that got a quota since (see there).
 -- Both lists are also left in the transaction's settings runpool.claim_tenants and
@@ -194,25 +199,26 @@ WITH RECURSIVE served AS (
 heads AS (
     SELECT tenant, min(rank) AS rank FROM served GROUP BY tenant
 ),
-best AS (
-    SELECT h.tenant, q.quota IS NOT NULL AS limited
+candidates AS (
+    SELECT h.tenant, h.rank, q.quota IS NOT NULL AS limited
     FROM heads h
     JOIN runpool.tenant_capacity q ON q.tenant = h.tenant
     WHERE q.quota IS NULL OR q.quota > q.live
-    ORDER BY h.rank
-    LIMIT %(limit)s
-),
-limited AS (
-    SELECT t.tenant
-    FROM runpool.tenants t
-    WHERE t.tenant IN (SELECT tenant FROM best WHERE limited)
-    ORDER BY t.tenant
-    FOR NO KEY UPDATE OF t SKIP LOCKED
 ),
 chosen AS (
-    SELECT tenant, false AS limited FROM best WHERE NOT limited
-    UNION ALL
-    SELECT tenant, true FROM limited
+    -- The sorted subquery feeds the nested loop in rank order and the limit stops it: the
+    -- lateral lock runs only for the quota'd candidates reached (a skipped one, not chosen,
+    -- does not count toward the limit).
+    SELECT c.tenant, c.rank, c.limited
+    FROM (SELECT tenant, rank, limited FROM candidates ORDER BY rank, tenant) c
+    LEFT JOIN LATERAL (
+        SELECT t.tenant
+        FROM runpool.tenants t
+        WHERE c.limited AND t.tenant = c.tenant
+        FOR NO KEY UPDATE OF t SKIP LOCKED) l ON true
+    WHERE NOT c.limited OR l.tenant IS NOT NULL
+    ORDER BY c.rank, c.tenant
+    LIMIT %(limit)s
 ),
 noted AS (
     -- One aggregate row: the settings are written exactly once, empty when no tenant
@@ -229,10 +235,14 @@ SELECT tenant, limited, skipped FROM (
     SELECT c.tenant, c.tenant = ANY(n.limited::text[]) AS limited, false AS skipped, c.i
     FROM noted n CROSS JOIN LATERAL unnest(n.tenants::text[]) WITH ORDINALITY AS c(tenant, i)
     UNION ALL
-    -- The quota'd tenants passed over because their row was held.
-    SELECT b.tenant, true, true, NULL
-    FROM best b
-    WHERE b.limited AND b.tenant NOT IN (SELECT tenant FROM limited)
+    -- The quota'd tenants passed over because their row was held: the unchosen ones the walk
+    -- reached (ranked ahead of the last chosen; all of them when it ran out of candidates).
+    SELECT c.tenant, true, true, NULL
+    FROM candidates c
+    WHERE c.limited AND c.tenant NOT IN (SELECT tenant FROM chosen)
+      AND ((SELECT count(*) FROM chosen) < %(limit)s
+           OR (c.rank, c.tenant) < (SELECT rank, tenant FROM chosen
+                                    ORDER BY rank DESC, tenant DESC LIMIT 1))
 ) AS answer
 ORDER BY skipped, i, tenant;
 

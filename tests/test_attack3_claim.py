@@ -12,6 +12,7 @@ import psycopg
 import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect
+from runpool.queries import QUERIES
 
 from .helpers import running_pool, status_of, wait_for
 
@@ -40,6 +41,25 @@ def test_held_tenant__a_claim_of_one_takes_another_tenants_run_not_nothing(
     finally:
         hostile.close()
     assert (got, told) == ([free], [True])
+
+
+def test_held_tenant__the_next_ranked_takes_its_place_and_tenants_ranked_below_stay_unlocked(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Quota'd tenants are locked as the claim reaches them in rank order: the held best-ranked
+    one is skipped (and said so), the next takes its place, and the one ranked below the
+    claim's %(limit)s places is not locked (another claimer may take it meanwhile)."""
+    for tenant in ("held", "next", "below"):
+        conn.execute("SELECT runpool.set_tenant_quota(%s, 5)", (tenant,))
+        runpool.enqueue(conn, tenant, "noop")
+    conn.commit()
+    with psycopg.connect(dsn) as hostile, psycopg.connect(dsn) as claimer, \
+            psycopg.connect(dsn) as other:
+        hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
+        chose = claimer.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 1})
+        assert chose.fetchall() == [("next", True, False), ("held", True, True)]
+        other.execute("SET lock_timeout = '2s'")
+        assert other.execute("SELECT tenant FROM runpool.tenants WHERE tenant = 'below'"
+                             " FOR NO KEY UPDATE NOWAIT").fetchall() == [("below",)]
 
 
 def test_held_tenant__a_one_slot_pool_runs_other_tenants_while_the_best_ranked_is_held(
