@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Final
 
 import psycopg
@@ -24,8 +25,12 @@ CREATE TABLE IF NOT EXISTS tool_log (
     run_id uuid NOT NULL, call_id text NOT NULL, attempt integer NOT NULL, key text NOT NULL,
     at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""
-# Records one execution of a tool (its own autocommit connection: the side effect happened).
-_RECORD: Final = "INSERT INTO tool_log (run_id, call_id, attempt, key) VALUES (%s, %s, %s, %s)"
+# Records one execution of a tool (its own autocommit connection: the side effect happened),
+# at the time the tool ran, read before connecting: a tool cut off from the database (a
+# partitioned host's zombie) records itself once the network heals, and stamped at insert it
+# looked like an execution after the call had finished (CI, test_hosts_partition).
+_RECORD: Final = ("INSERT INTO tool_log (run_id, call_id, attempt, key, at)"
+                  " VALUES (%s, %s, %s, %s, %s)")
 
 # Runs not in a terminal state (each with its status).
 _NOT_TERMINAL: Final = """
@@ -155,8 +160,9 @@ class Report:
 
 def record_execution(dsn: str, run_id: Any, call_id: str, attempt: int, key: str) -> None:
     """Record one real execution of a tool (call it from inside the tool)."""
+    at = datetime.now(UTC)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(_RECORD, (str(run_id), call_id, attempt, key))
+        conn.execute(_RECORD, (str(run_id), call_id, attempt, key, at))
 
 
 def check(conn: psycopg.Connection[Any], *, cancel_bound: float | None = None,
