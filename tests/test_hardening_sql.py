@@ -341,12 +341,10 @@ def test_defect10_functions__pg_catalog_comes_first_in_every_search_path(
         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
         WHERE n.nspname = 'runpool' AND (p.prosqlbody IS NULL OR p.prosecdef
                                          OR p.provolatile = 'v')
-          -- the doorbell (0018), the status statements' counter bump (0020), a run id
-          -- with its salt (0021, inlined into enqueue) and the deadline rule (0022, read of
-          -- clock_timestamp(), inlined into enqueue and enqueue_many): volatile SQL-standard
-          -- bodies, no rights of their own
-          AND NOT (p.proname IN ('_ring', '_bump_event_seqs', 'new_run_id', 'new_run_salt',
-                                 'deadline_problem')
+          -- the doorbell (0018), a run id with its salt (0021, inlined into enqueue) and
+          -- the deadline rule (0022, read of clock_timestamp(), inlined into enqueue and
+          -- enqueue_many): volatile SQL-standard bodies, no rights of their own
+          AND NOT (p.proname IN ('_ring', 'new_run_id', 'new_run_salt', 'deadline_problem')
                    AND p.prosqlbody IS NOT NULL)""").fetchall()
     bad = [(f, c) for f, c in rows if not (c or "").startswith("search_path=pg_catalog")]
     assert len(rows) > 10 and bad == []
