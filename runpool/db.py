@@ -7,7 +7,7 @@ import json
 import os
 import re
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import orjson
@@ -267,7 +267,9 @@ async def _configure_stateless(conn: psycopg.AsyncConnection[Any]) -> None:
 
 
 async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | None = None,
-                    stateless: bool = False) -> AsyncConnectionPool:
+                    stateless: bool = False,
+                    prepare: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None
+                    = None) -> AsyncConnectionPool:
     """Open the worker's pool. A checkout costs no round trip (a check would cost one on every
     claim), and the server's idle_session_timeout does not apply to pooled sessions
     (WORKER_SESSION). A connection broken otherwise (a restart, a failover,
@@ -276,7 +278,14 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
     `connect_timeout` (seconds, at least 2; default CONNECT_TIMEOUT unless the DSN sets one)
     bounds each new connection's attempt: one started while the network is silent would
     otherwise wait for as long as it stays silent. `stateless`: the connections may go through
-    a transaction-mode pooler (see STATELESS_OPTIONS)."""
+    a transaction-mode pooler (see STATELESS_OPTIONS). `prepare`: run on each new session
+    after its setup (not on a stateless one, whose prepared statements are not its own)."""
+
+    async def configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
+        await _configure_pooled(conn)
+        if prepare is not None:
+            await prepare(conn)
+
     pool: AsyncConnectionPool = AsyncConnectionPool(
         dsn,
         min_size=size,
@@ -289,7 +298,7 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
                 **(STATELESS_OPTIONS if stateless else {}),
                 **({} if "application_name" in conninfo_to_dict(dsn)
                    else {"application_name": name})},
-        configure=_configure_stateless if stateless else _configure_pooled,
+        configure=_configure_stateless if stateless else configure_pooled,
         max_idle=300,
         reconnect_timeout=3600,
     )

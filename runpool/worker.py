@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -46,6 +47,7 @@ from .settings import Settings
 from .slot import Slot, Slots
 from .tasks import cancel_all
 from .wakeups import Wakeups
+from .warmup import plan_ahead
 
 __all__ = ["Worker"]
 
@@ -114,7 +116,9 @@ class Worker:
                          capacity=s.concurrency)
         self._pool = await open_pool(
             self.dsn, size=s.connections, name=application_name(f"runpool-{os.getpid()}"),
-            stateless=s.stateless)
+            stateless=s.stateless,
+            prepare=functools.partial(plan_ahead, worker_id=self.id,
+                                      lease_seconds=s.lease_seconds, handlers=self.app.names))
         side: list[asyncio.Task[None]] = []
         try:
             await self._register()
