@@ -350,6 +350,19 @@ def test_defect10_functions__pg_catalog_comes_first_in_every_search_path(
     assert len(rows) > 10 and bad == []
 
 
+def test_defect10_counter_bump__only_the_worker_role_may_call_it(
+        conn: psycopg.Connection) -> None:
+    # A definer since 0023 (owner's rights): an API caller bumping a run's counter would leave
+    # a gap in its event seqs that a follower waits on.
+    def may(role: str) -> bool:
+        return bool(scalar(conn, "SELECT has_function_privilege(%s,"
+                                 " 'runpool._bump_event_seqs(uuid[])', 'EXECUTE')", role))
+
+    assert may("runpool_worker")
+    assert not may("runpool_api")
+    assert not may("public")
+
+
 def test_defect10_worker_role__holds_no_delete_and_no_migration_writes(
         conn: psycopg.Connection) -> None:
     grants = conn.execute("""
