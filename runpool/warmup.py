@@ -50,6 +50,9 @@ async def plan_ahead(conn: psycopg.AsyncConnection[Any], *, worker_id: uuid.UUID
             "handlers": names}, prepare=True)
         await conn.execute(QUERIES["finish_runs"], finish_params([]), prepare=True)
     except psycopg.Error as exc:
+        if conn.broken or conn.closed:
+            # The pool must not keep a dead session: it connects again.
+            raise
         # Only an optimisation: the statements are planned at their first use instead.
         logger.warning("planning the worker's statements ahead failed: %r", exc,
                        extra={"action": "plan_ahead_failed", "worker_id": str(worker_id)})
