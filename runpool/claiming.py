@@ -6,17 +6,22 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 import psycopg
-from psycopg.adapt import Buffer, Loader
 
 from . import faults
 from .db import NO_JIT, loads_exact, one_trip
 from .errors import InvalidInput
 from .queries import QUERIES
+from .trips import JsonText, Rows, Trip
 
-__all__ = ["ClaimedRun", "PendingClaim", "claim", "claim_statements", "read_claimed", "reap"]
+__all__ = ["ClaimedRun", "PendingClaim", "Statements", "claim", "claim_statements",
+           "read_claimed", "reap"]
+
+# Where a claim's statements go: a connection's pipelined transaction (db.one_trip), or a
+# pinned worker session's trip (runpool.trips).
+Statements: TypeAlias = psycopg.AsyncConnection[Any] | Trip
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,26 +58,17 @@ class ClaimedRun:
             raise InvalidInput(f"the run's input cannot be decoded: {exc}") from None
 
 
-class _JsonText(Loader):
-    """jsonb as its JSON text, undecoded. One claim carries runs of many tenants: a value
-    one of them crafted must fail that run alone, in its slot, never the claim (which would
-    kill the worker after the claim committed, and strand every run beside it)."""
-
-    def load(self, data: Buffer) -> bytes:
-        return bytes(data)
-
-
 @dataclass(frozen=True, slots=True)
 class PendingClaim:
     """A claim's statements, sent in the caller's transaction, their answers read only after
     its COMMIT (see read_claimed): reading any before would cost the claim a round trip."""
-    claimed: psycopg.AsyncCursor[tuple[Any, ...]]
+    claimed: Rows
     # The schedules' probe and whom to tell its answer (None: not probed in this claim).
-    probe: psycopg.AsyncCursor[Any] | None = None
+    probe: Rows | None = None
     on_schedules: Callable[[float | None, bool], None] | None = None
     # The tenant locks' answer and whom to tell whether a quota'd tenant was skipped (its row
     # held by another transaction): None, not asked.
-    locks: psycopg.AsyncCursor[Any] | None = None
+    locks: Rows | None = None
     on_skipped: Callable[[bool], None] | None = None
 
 
@@ -84,7 +80,7 @@ async def reap(conn: psycopg.AsyncConnection[Any]) -> int:
 
 
 async def claim_statements(
-    conn: psycopg.AsyncConnection[Any],
+    conn: Statements,
     *,
     worker_id: uuid.UUID,
     limit: int,
@@ -141,18 +137,27 @@ async def claim_statements(
         # has).
         await conn.execute(QUERIES["wake_due"])
     if handlers is None:
-        cur = await conn.execute(QUERIES["ready_handlers"])
+        # Read now, the locks' parameter: on a trip (which answers only once sent) in a
+        # query of its own.
+        ask = conn.connection if isinstance(conn, Trip) else conn
+        cur = await ask.execute(QUERIES["ready_handlers"])
         names = [h for (h,) in await cur.fetchall()]
     else:
         names = list(handlers)
     locks = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
-    faults.hit("claim.locked", conn)
+    # A trip's locks are not sent yet either: a fault here still means nothing commits.
+    faults.hit("claim.locked", conn.connection if isinstance(conn, Trip) else conn)
+    params = {"limit": limit, "worker_id": worker_id, "lease_seconds": lease_seconds,
+              "handlers": names}
     # Rows as tuples, in ClaimedRun's field order (claim_runs' columns): no dict per run.
-    claimed = conn.cursor()
-    claimed.adapters.register_loader("jsonb", _JsonText)
-    await claimed.execute(QUERIES["claim_runs"], {
-        "limit": limit, "worker_id": worker_id, "lease_seconds": lease_seconds,
-        "handlers": names})
+    claimed: Rows
+    if isinstance(conn, Trip):
+        claimed = await conn.execute(QUERIES["claim_runs"], params)  # jsonb as text already
+    else:
+        cursor = conn.cursor()
+        cursor.adapters.register_loader("jsonb", JsonText)
+        await cursor.execute(QUERIES["claim_runs"], params)
+        claimed = cursor
     return PendingClaim(claimed, probe, on_schedules,
                         locks if on_skipped is not None else None, on_skipped)
 
@@ -176,15 +181,19 @@ async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, no_jit: bool 
                 **options: Any) -> list[ClaimedRun]:
     """Claim up to `limit` runs in one short transaction of their own (never held across
     handler code); `options` are claim_statements' (worker_id, lease_seconds, ...). `no_jit`:
-    turn JIT off for the transaction (False: the session has it off already and pins read
-    committed, see db.WORKER_SESSION: a statement less, and no BEGIN and COMMIT either, see
-    one_trip)."""
+    turn JIT off for the transaction (False: the session is a worker session, which has it
+    off already and pins read committed, see db.WORKER_SESSION: the claim is one simple query
+    of prepared statements, see runpool.trips)."""
     if limit <= 0:
         return []
-    # BEGIN, the reap, the tenant locks, the claim and COMMIT travel in one round trip.
-    async with one_trip(conn, pinned=not no_jit):
-        if no_jit:
+    if no_jit:
+        # BEGIN, the reap, the tenant locks, the claim and COMMIT travel in one round trip.
+        async with one_trip(conn):
             await conn.execute(NO_JIT)
-        cursor = await claim_statements(conn, limit=limit, **options)
+            pending = await claim_statements(conn, limit=limit, **options)
+    else:
+        trip = Trip(conn)
+        pending = await claim_statements(trip, limit=limit, **options)
+        await trip.send()
     faults.hit("claim.committed", conn)
-    return await read_claimed(cursor)
+    return await read_claimed(pending)

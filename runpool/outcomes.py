@@ -12,15 +12,15 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal, Protocol
 
-import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import faults
-from .claiming import ClaimedRun, PendingClaim, read_claimed
+from .claiming import ClaimedRun, PendingClaim, Statements, read_claimed
 from .db import NO_JIT, dumps, loads, one_trip
 from .deadlines import bounded, transient
 from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout
 from .queries import QUERIES
+from .trips import Rows, Trip
 
 __all__ = ["Outcome", "OutcomeWriter", "Refill", "error_doc", "finish_params", "from_exception",
            "from_result", "retry_after"]
@@ -152,8 +152,9 @@ class Refill(Protocol):
 
     def capacity(self, freed: int) -> int: ...
 
-    async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
-                         ) -> PendingClaim: ...
+    async def statements(self, conn: Statements, limit: int) -> PendingClaim:
+        """Queue the claim's statements on `conn` (a pipelined transaction's connection, or a
+        worker session's trip), unread."""
 
     def started(self, claimed: list[ClaimedRun], sent: float) -> None:
         """Told after every refill's commit, even one that claimed nothing (`sent`: when the
@@ -181,9 +182,9 @@ class OutcomeWriter:
     def __init__(self, pool: AsyncConnectionPool, *, worker_id: uuid.UUID,
                  refill: Refill | None = None, no_jit: bool = True) -> None:
         self._pool = pool
-        # Turn JIT off in each refilling transaction (False: the pool's sessions have it off
-        # already and pin read committed, see db.WORKER_SESSION: a statement less per batch,
-        # and the transaction needs no BEGIN and COMMIT, see one_trip).
+        # Turn JIT off in each refilling transaction (False: the pool's sessions are worker
+        # sessions, which have it off already and pin read committed, see db.WORKER_SESSION:
+        # a batch is one simple query of the statements they prepared, see runpool.trips).
         self._no_jit = no_jit
         self._worker_id = worker_id
         self._refill = refill
@@ -297,29 +298,44 @@ class OutcomeWriter:
         # Runs with serial keys: their keys are released set-based in the batch's transaction.
         serial = any(p.serial for p in batch)
         params = finish_params(outcomes)
-        claimed: list[ClaimedRun] | None = None
+        pending: PendingClaim | None = None
         sent = time.monotonic()
         async with bounded(self._pool, 10) as conn:
             faults.hit("outcome.committing", conn)
-            if room > 0:
-                assert self._refill is not None
+            if not self._no_jit:
+                # A worker session: the finishes, the keys' release and the claim in one
+                # simple query, its one implicit transaction; nothing is sent before send().
+                trip = Trip(conn)
+                finished, pending = await self._batch_statements(trip, params, serial, room)
+                await trip.send()
+            elif room > 0:
                 # BEGIN, the finishes, the keys' release, the claim and COMMIT travel in one
-                # round trip; the claimed runs are read (and handed over) only after COMMIT.
-                async with one_trip(conn, pinned=not self._no_jit):
-                    if self._no_jit:
-                        await conn.execute(NO_JIT)
-                    if serial:
-                        await conn.execute(QUERIES["defer_serial_release"])
-                    finished = await conn.execute(QUERIES["finish_runs"], params)
-                    if serial:
-                        await conn.execute(QUERIES["lock_ended_serial_keys"], params)
-                        await conn.execute(QUERIES["release_serial_keys"], params)
-                    cursor = await self._refill.statements(conn, room)
-                claimed = await read_claimed(cursor)
+                # round trip.
+                async with one_trip(conn):
+                    await conn.execute(NO_JIT)
+                    finished, pending = await self._batch_statements(
+                        conn, params, serial, room)
             else:
                 finished = await conn.execute(QUERIES["finish_runs"], params)
+            # The claimed runs are read (and handed over) only after the commit.
+            claimed = await read_claimed(pending) if pending is not None else None
             statuses = {run_id: status for run_id, status in await finished.fetchall()}
         if claimed is not None:
             assert self._refill is not None
             self._refill.started(claimed, sent)
         return statuses
+
+    async def _batch_statements(self, conn: Statements, params: dict[str, str], serial: bool,
+                                room: int) -> tuple[Rows, PendingClaim | None]:
+        """The batch's statements, unread: the finishes and, with `room` to refill, the serial
+        keys' release and the refill's claim (None: no claim)."""
+        if room <= 0:
+            return await conn.execute(QUERIES["finish_runs"], params), None
+        assert self._refill is not None
+        if serial:
+            await conn.execute(QUERIES["defer_serial_release"])
+        finished = await conn.execute(QUERIES["finish_runs"], params)
+        if serial:
+            await conn.execute(QUERIES["lock_ended_serial_keys"], params)
+            await conn.execute(QUERIES["release_serial_keys"], params)
+        return finished, await self._refill.statements(conn, room)

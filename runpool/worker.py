@@ -28,7 +28,7 @@ from .alerts import AlertSender
 from .app import App
 from .cancellation import Canceller
 from .claim_times import ClaimTimes
-from .claiming import ClaimedRun, PendingClaim, claim, claim_statements
+from .claiming import ClaimedRun, PendingClaim, Statements, claim, claim_statements
 from .db import application_name, open_pool
 from .deadlines import bounded
 from .drain import drain
@@ -324,8 +324,7 @@ class Worker:
             return 0
         return max(self.settings.concurrency - len(self.slots) - self._reserved + freed, 0)
 
-    async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
-                         ) -> PendingClaim:
+    async def statements(self, conn: Statements, limit: int) -> PendingClaim:
         return await claim_statements(conn, limit=limit, **self._claim_options(refill=True))
 
     def started(self, claimed: list[ClaimedRun], sent: float) -> None:

@@ -14,10 +14,11 @@ import psycopg
 import pytest
 
 import runpool
-from runpool.claiming import ClaimedRun, PendingClaim, claim, claim_statements
+from runpool.claiming import ClaimedRun, PendingClaim, Statements, claim, claim_statements
 from runpool.db import aconnect, one_trip, open_pool
 from runpool.outcomes import OutcomeWriter, finish_params, from_result
 from runpool.queries import QUERIES
+from runpool.trips import Trip
 
 
 class _Refill:
@@ -33,9 +34,9 @@ class _Refill:
     def capacity(self, freed: int) -> int:
         return 1
 
-    async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
-                         ) -> PendingClaim:
-        self.conn = conn
+    async def statements(self, conn: Statements, limit: int) -> PendingClaim:
+        # A worker session's batch is a trip (runpool.trips): its connection is the one asked.
+        self.conn = conn.connection if isinstance(conn, Trip) else conn
         return await claim_statements(conn, limit=limit, worker_id=self.worker_id,
                                       lease_seconds=30, handlers=["noop"])
 
@@ -66,11 +67,18 @@ def _statements(trace: str) -> int:
     return sum(1 for line in trace.splitlines() if "\tF\t" in line and "\tBind\t" in line)
 
 
+def _queries(trace: str) -> int:
+    """The simple-protocol queries the client sent in a libpq protocol trace."""
+    return sum(1 for line in trace.splitlines() if "\tF\t" in line and "\tQuery\t" in line)
+
+
 async def _finish_traced(dsn: str, refill: _Refill, *, pinned: bool = False
-                         ) -> tuple[str | None, int, int]:
+                         ) -> tuple[str | None, int, int, int]:
     """Claim one run, then write its outcome through an OutcomeWriter whose batch refills:
-    the run's new status, the batch's protocol round trips and statements (`pinned`: the
-    writer is told its pool's sessions are worker sessions)."""
+    the run's new status, the batch's protocol round trips, statements (Binds) and simple
+    queries (`pinned`: the writer is told its pool's sessions are worker sessions, whose
+    batches are trips of the statements the session prepared on its first trip, made here
+    before the trace starts)."""
     async with await aconnect(dsn, autocommit=True) as c:
         (first,) = await claim(c, limit=1, worker_id=refill.worker_id, lease_seconds=30,
                                handlers=["noop"])
@@ -79,6 +87,10 @@ async def _finish_traced(dsn: str, refill: _Refill, *, pinned: bool = False
         writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill, no_jit=not pinned)
         async with pool.connection() as conn:  # the pool's one connection, traced throughout
             traced = conn
+            if pinned:
+                warm = Trip(conn)
+                await warm.execute(QUERIES["touch_worker"], {"worker_id": uuid.uuid4()})
+                await warm.send()
         with tempfile.TemporaryFile("w+") as trace:
             traced.pgconn.trace(trace.fileno())
             writing = asyncio.create_task(writer.run())
@@ -91,7 +103,7 @@ async def _finish_traced(dsn: str, refill: _Refill, *, pinned: bool = False
                 traced.pgconn.untrace()
             trace.seek(0)
             text = trace.read()
-            return status, _round_trips(text), _statements(text)
+            return status, _round_trips(text), _statements(text), _queries(text)
     finally:
         await pool.close()
 
@@ -103,7 +115,7 @@ def test_outcome_batch__with_its_refill_is_one_round_trip(
     refill = _Refill()
     # 14 statements: BEGIN, JIT off, the finishes, the serial keys' three, the claim's seven,
     # COMMIT.
-    assert asyncio.run(_finish_traced(dsn, refill)) == ("succeeded", 1, 14)
+    assert asyncio.run(_finish_traced(dsn, refill)) == ("succeeded", 1, 14, 0)
     # The refill claimed the serial key's next run, released by the same transaction, and it
     # was handed over once the transaction had committed.
     assert [c.id for c in refill.handed] == [second]
@@ -115,8 +127,7 @@ class _FailingRefill(_Refill):
     """A refill whose claim the server cancels (57014, which looks transient) after the
     batch's finishes were sent."""
 
-    async def statements(self, conn: psycopg.AsyncConnection[Any], limit: int
-                         ) -> PendingClaim:
+    async def statements(self, conn: Statements, limit: int) -> PendingClaim:
         await conn.execute("SET LOCAL statement_timeout = 1")
         await conn.execute("SELECT pg_sleep(1)")
         return await super().statements(conn, limit)
@@ -128,7 +139,7 @@ def test_outcome_batch__a_failing_refill_does_not_hold_the_outcomes_back(
     first = runpool.enqueue(conn, "acme", "noop")
     second = runpool.enqueue(conn, "acme", "noop")
     refill = _FailingRefill()
-    status, _, _ = asyncio.run(_finish_traced(dsn, refill, pinned=pinned))
+    status, _, _, _ = asyncio.run(_finish_traced(dsn, refill, pinned=pinned))
     # Rolled back (pinned: the Sync ended the failed implicit transaction), the batch went
     # again without its refill.
     assert status == "succeeded"
@@ -136,16 +147,16 @@ def test_outcome_batch__a_failing_refill_does_not_hold_the_outcomes_back(
     assert _statuses(conn, first, second) == {first: "succeeded", second: "queued"}
 
 
-def test_outcome_batch__a_worker_sessions_batch_sends_no_begin_and_commit(
+def test_outcome_batch__a_worker_sessions_batch_is_one_simple_query(
         conn: psycopg.Connection, dsn: str) -> None:
-    """A worker session pins read committed: the batch is the pipeline's implicit transaction,
-    sent without BEGIN and COMMIT (two psycopg executes' CPU per batch): 11 statements, the
-    finishes, the serial keys' three, and the claim's seven (its reap's three, promote_due,
-    wake_due, lock_tenants, claim_runs)."""
+    """A worker session pins read committed: the batch is one simple query's implicit
+    transaction, without BEGIN and COMMIT, of 11 EXECUTEs of the statements the session
+    prepared (runpool.trips): the finishes, the serial keys' three, and the claim's seven (its
+    reap's three, promote_due, wake_due, lock_tenants, claim_runs). No Bind at all."""
     first = runpool.enqueue(conn, "acme", "noop", serial_key="k")
     second = runpool.enqueue(conn, "acme", "noop", serial_key="k")
     refill = _Refill()
-    assert asyncio.run(_finish_traced(dsn, refill, pinned=True)) == ("succeeded", 1, 11)
+    assert asyncio.run(_finish_traced(dsn, refill, pinned=True)) == ("succeeded", 1, 0, 1)
     assert [c.id for c in refill.handed] == [second]
     assert refill.committed == [True]
     assert _statuses(conn, first, second) == {first: "succeeded", second: "running"}

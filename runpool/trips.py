@@ -1,0 +1,233 @@
+"""A worker session's hot trips as ONE simple-protocol query: `EXECUTE name(literal, ...);`
+for each statement, of statements the session prepared once (PREPARE name AS ...).
+
+Why: psycopg's pipeline costs ~35-55 us of client CPU per statement (dumping, a Parse/Bind/
+Execute per statement, a result object each); an outcome batch with its refill is up to eleven
+statements. One query string whose parameters are quoted literals costs the client one send and
+one parse of the answers (callgrind: 160 against 234 us per batch).
+
+Semantics match the pinned pipeline's (db.one_trip, pinned=True): a multi-statement simple
+query on an autocommit connection is one implicit transaction, so an error skips the rest and
+rolls everything back, and nothing is sent before send(). Only for pinned worker sessions
+(db.WORKER_SESSION): behind a transaction-mode pooler the session, and its prepared
+statements, are not ours (db.STATELESS_OPTIONS).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, LiteralString, Protocol
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.adapt import Buffer, Loader
+
+from .queries import QUERIES
+
+__all__ = ["HOT", "Answer", "JsonText", "Rows", "Trip", "prepared_sql"]
+
+# The statements a trip runs prepared: the outcome batch's and the claim's.
+HOT: Final = ("finish_runs", "defer_serial_release", "lock_ended_serial_keys",
+              "release_serial_keys", "reap_expired", "expire_deadlines", "heal_serial_keys",
+              "schedule_probe", "touch_worker", "promote_due", "wake_due", "lock_tenants",
+              "claim_runs")
+
+
+class Rows(Protocol):
+    """A statement's answer, read after its transaction ended: a psycopg cursor (pipeline) or
+    an Answer (trip)."""
+
+    async def fetchone(self) -> Any: ...
+
+    async def fetchall(self) -> list[Any]: ...
+
+
+class JsonText(Loader):
+    """jsonb as its JSON text, undecoded. One claim carries runs of many tenants: a value
+    one of them crafted must fail that run alone, in its slot, never the claim (which would
+    kill the worker after the claim committed, and strand every run beside it)."""
+
+    def load(self, data: Buffer) -> bytes:
+        return bytes(data)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    name: bytes  # a fixed identifier: runpool_ and the statement's name in queries.sql
+    params: tuple[str, ...]  # the %(name)s parameters, in $n order
+    sql: str  # the statement with $n placeholders
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%|%s")
+
+
+def prepared_sql(query: str) -> tuple[str, tuple[str, ...]]:
+    """A psycopg-style statement (`%(name)s` placeholders) as PREPARE takes it (`$n`), and
+    the parameters' names in $n order (a name used twice is one parameter)."""
+    order: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(0) == "%%":
+            return "%"
+        if (name := match.group(1)) is None:
+            raise ValueError("positional %s placeholders cannot be prepared by name")
+        if name not in order:
+            order.append(name)
+        return f"${order.index(name) + 1}"
+
+    return _PLACEHOLDER.sub(number, query), tuple(order)
+
+
+def _prepared(name: str) -> _Prepared:
+    sql, params = prepared_sql(QUERIES[name])
+    return _Prepared(f"runpool_{name}".encode(), params, sql)
+
+
+# By the statement's text, as the callers hold it (QUERIES' own strings: their hash is cached
+# and the lookup meets the same object, so finding a 3k-character statement costs nothing).
+_BY_TEXT: Final[dict[str, _Prepared]] = {QUERIES[n]: _prepared(n) for n in HOT}
+_LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)"
+
+# Sessions that prepared the statements, with their client encoding (the literals' bytes are
+# in it). Weak: a connection the pool dropped takes its entry with it, and a new one (after a
+# restart, say) prepares again.
+_sessions: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], str] = (
+    weakref.WeakKeyDictionary())
+
+
+class Answer:
+    """A statement's rows in a trip: there once the trip was sent (none: a statement without
+    rows). Filled by Trip.send, hence not frozen."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self) -> None:
+        self._rows: list[Any] | None = None
+
+    async def fetchall(self) -> list[Any]:
+        if self._rows is None:
+            raise psycopg.ProgrammingError("the trip was not sent: no answer yet")
+        return self._rows
+
+    async def fetchone(self) -> Any:
+        rows = await self.fetchall()
+        return rows[0] if rows else None
+
+
+class Trip:
+    """Statements queued by execute() (the same call as a connection's, so claim_statements
+    serves both), sent as one simple query by send(). jsonb columns come back as JSON text
+    (JsonText): the claim's inputs are decoded in each run's slot."""
+
+    __slots__ = ("_answers", "_encoding", "_escaping", "_parts", "connection")
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        if not conn.autocommit:
+            # Its implicit transaction is what makes the trip all-or-nothing.
+            raise psycopg.ProgrammingError("a trip needs an autocommit connection")
+        self.connection = conn
+        self._encoding = _sessions.get(conn) or conn.info.encoding
+        # libpq's quoting, for the connection's encoding and settings.
+        self._escaping = psycopg.pq.Escaping(conn.pgconn)
+        self._parts: list[bytes] = []
+        self._answers: list[Answer] = []
+
+    async def execute(self, query: LiteralString, params: Mapping[str, Any] | None = None
+                      ) -> Answer:
+        """Queue a statement: a hot one (HOT) by its prepared name, any other only without
+        parameters (as its text, a single statement)."""
+        prepared = _BY_TEXT.get(query)
+        if prepared is None:
+            if params:
+                raise psycopg.ProgrammingError("a trip takes parameters for HOT statements only")
+            self._parts.append(query.encode(self._encoding))
+        elif prepared.params:
+            assert params is not None
+            self._parts.append(b"EXECUTE %b(%b)" % (prepared.name, b",".join(
+                [self._literal(params[p]) for p in prepared.params])))
+        else:
+            self._parts.append(b"EXECUTE " + prepared.name)
+        answer = Answer()
+        self._answers.append(answer)
+        return answer
+
+    def _literal(self, value: Any) -> bytes:
+        """A value as a quoted SQL literal, by libpq (whatever standard_conforming_strings
+        says); untyped, so the prepared parameter's type parses it, as it would a parameter."""
+        if value is None:
+            return b"NULL"
+        text = _text(value)
+        if "\x00" in text:
+            # libpq's escaping stops at a NUL: the value would arrive cut short.
+            raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+        return self._escaping.escape_literal(text.encode(self._encoding))
+
+    async def send(self) -> None:
+        """Send the queued statements as one query and read every answer. A session whose
+        statements vanished (DISCARD ALL, DEALLOCATE) prepares them again and sends once more:
+        the error rolled the whole query back."""
+        if not self._answers:
+            return
+        conn = self.connection
+        if conn not in _sessions:
+            await _prepare(conn)
+        query = b";\n".join(self._parts)
+        try:
+            await self._send(query)
+        except pg_errors.InvalidSqlStatementName:
+            await _prepare(conn)
+            await self._send(query)
+
+    async def _send(self, query: bytes) -> None:
+        cur = self.connection.cursor()
+        cur.adapters.register_loader("jsonb", JsonText)
+        # No parameters, text results, not in a pipeline, prepare=False: psycopg sends it with
+        # the simple protocol (PQsendQuery), which runs several statements; prepare=False also
+        # keeps psycopg from counting (and preparing) each distinct string.
+        await cur.execute(query, prepare=False)
+        last = len(self._answers) - 1
+        for i, answer in enumerate(self._answers):
+            answer._rows = await cur.fetchall() if cur.description is not None else []
+            if (cur.nextset() is None) != (i == last):
+                raise psycopg.ProgrammingError(
+                    "a trip's statement answered more or fewer than one result")
+
+
+def _text(value: Any) -> str:
+    """The text PostgreSQL's input function for the parameter's type reads."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, int | float | uuid.UUID):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return "{" + ",".join([_element(v) for v in value]) + "}"
+    raise TypeError(f"a trip cannot send a {type(value).__name__} parameter")
+
+
+def _element(value: Any) -> str:
+    """An array literal's element: quoted, its quotes and backslashes escaped (array syntax,
+    read by array_in after the SQL literal was: not SQL quoting); NULL for None."""
+    if value is None:
+        return "NULL"
+    return '"' + _text(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+async def _prepare(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Prepare the HOT statements the session lacks (all on a new session, after DISCARD ALL
+    all, after a DEALLOCATE that one) and remember it has them. Asked, not assumed: a PREPARE
+    whose answer was lost (its task cancelled) may have run, and a second would fail."""
+    names = [p.name.decode() for p in _BY_TEXT.values()]
+    cur = await conn.execute(_LIST_OURS, (names,))
+    have = {name for (name,) in await cur.fetchall()}
+    # Fixed names and queries.sql's static text: no user data in this string.
+    prepare = ";\n".join(f"PREPARE {p.name.decode()} AS {p.sql}"
+                         for p in _BY_TEXT.values() if p.name.decode() not in have)
+    if prepare:
+        await conn.execute(prepare.encode(), prepare=False)
+    _sessions[conn] = conn.info.encoding
