@@ -347,7 +347,8 @@ async def one_trip(conn: psycopg.AsyncConnection[Any], *, pinned: bool = False
     and commits there: two statements fewer, each a psycopg execute with its own flush and
     poll (~10 us of CPU). The Sync must then never follow a body that did not finish: an
     exception in the body closes the connection instead, and the server rolls back what it
-    was sent (a transaction its client never synced)."""
+    was sent (a transaction its client never synced). (runpool's own worker-session trips
+    now go as one simple query of prepared statements instead, see runpool.trips.)"""
     if not conn.autocommit:
         async with conn.pipeline(), conn.transaction():
             yield
