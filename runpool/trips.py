@@ -202,15 +202,21 @@ class Trip:
                     "a trip's statement answered more or fewer than one result")
 
 
+# Types whose str() is their input text, and those sent as arrays (tuples named once: an
+# `int | float` in isinstance builds a union object on every call).
+_PLAIN: Final = (int, float, uuid.UUID)
+_ARRAYS: Final = (list, tuple)
+
+
 def _text(value: Any) -> str:
     """The text PostgreSQL's input function for the parameter's type reads."""
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
         return "t" if value else "f"
-    if isinstance(value, int | float | uuid.UUID):
+    if isinstance(value, _PLAIN):
         return str(value)
-    if isinstance(value, list | tuple):
+    if isinstance(value, _ARRAYS):
         return "{" + ",".join([_element(v) for v in value]) + "}"
     raise TypeError(f"a trip cannot send a {type(value).__name__} parameter")
 
