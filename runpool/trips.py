@@ -1,16 +1,15 @@
 """A worker session's hot trips as ONE simple-protocol query: `EXECUTE name(literal, ...);`
 for each statement, of statements the session prepared once (PREPARE name AS ...).
 
-Why: psycopg's pipeline costs ~35-55 us of client CPU per statement (dumping, a Parse/Bind/
-Execute per statement, a result object each); an outcome batch with its refill is up to eleven
-statements. One query string whose parameters are quoted literals costs the client one send and
-one parse of the answers (callgrind: 160 against 234 us per batch).
+Why: psycopg's pipeline costs ~35-55 us of client CPU per statement (a Parse/Bind/Execute,
+parameter dumping and a result round each); an outcome batch with its refill is up to eleven.
+One string of quoted literals costs one send and one parse of the answers (callgrind, W1's
+batch of 10 with its refill, the whole client: 2.26 M -> 1.81 M instructions).
 
-Semantics match the pinned pipeline's (db.one_trip, pinned=True): a multi-statement simple
-query on an autocommit connection is one implicit transaction, so an error skips the rest and
-rolls everything back, and nothing is sent before send(). Only for pinned worker sessions
-(db.WORKER_SESSION): behind a transaction-mode pooler the session, and its prepared
-statements, are not ours (db.STATELESS_OPTIONS).
+Semantics are the pinned pipeline's (db.one_trip, pinned=True): a multi-statement simple query
+in autocommit is one implicit transaction, so an error skips the rest and rolls it all back,
+and nothing is sent before send(). Only for worker sessions (db.WORKER_SESSION): behind a
+transaction-mode pooler the session and its prepared statements are not ours.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ HOT: Final = ("finish_runs", "defer_serial_release", "lock_ended_serial_keys",
 
 
 class Rows(Protocol):
-    """A statement's answer, read after its transaction ended: a psycopg cursor (pipeline) or
-    an Answer (trip)."""
+    """A statement's answer, read after its transaction ended: a cursor, or a trip's Answer."""
 
     async def fetchone(self) -> Any: ...
 
@@ -101,8 +99,8 @@ _sessions: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], str] = (
 
 
 class Answer:
-    """A statement's rows in a trip: there once the trip was sent (none: a statement without
-    rows). Filled by Trip.send, hence not frozen."""
+    """A statement's rows in a trip, there once it was sent ([]: a statement without rows).
+    Filled by Trip.send, hence not frozen."""
 
     __slots__ = ("_rows",)
 
@@ -226,6 +224,8 @@ def _element(value: Any) -> str:
     read by array_in after the SQL literal was: not SQL quoting); NULL for None."""
     if value is None:
         return "NULL"
+    if isinstance(value, _ARRAYS):  # quoted, it would arrive as text, not as a sub-array
+        raise TypeError("a trip cannot send nested arrays")
     return '"' + _text(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
