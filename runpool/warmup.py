@@ -11,8 +11,9 @@ import psycopg
 
 from .outcomes import finish_params
 from .queries import QUERIES
+from .trips import Trip
 
-__all__ = ["plan_ahead"]
+__all__ = ["UPKEEP", "plan_ahead"]
 
 logger = logging.getLogger("runpool.warmup")
 
@@ -25,30 +26,28 @@ UPKEEP = ("reap_expired", "expire_deadlines", "heal_serial_keys", "schedule_prob
 
 async def plan_ahead(conn: psycopg.AsyncConnection[Any], *, worker_id: uuid.UUID,
                      lease_seconds: float, handlers: Sequence[str]) -> None:
-    """Prepare, on a new worker session, every statement of the claim and the outcome batch:
-    the upkeep as it is, the rest run once on parameters that match nothing (no tenant is
-    chosen, no run claimed, no outcome written, no worker touched before it registers).
+    """Prepare a new worker session's trip statements (runpool.trips) and plan those of the
+    claim and the outcome batch: one trip of the upkeep as it is and the rest on parameters
+    that match nothing (no tenant is chosen, no run claimed, no outcome written, no worker
+    touched before it registers).
 
-    Why: psycopg prepares a statement on its fifth run, so a session's first four claims each
-    parsed and planned lock_tenants, claim_runs and finish_runs anew (2-8 ms each on this
-    machine), and the fifth planned them again to keep; the upkeep, which rides a claim once a
-    second, stayed unprepared for the first four seconds of each session. With 6 sessions a
-    pool's first ~24 claims and most of its first minute's upkeep paid that (W2: its first
-    dozen wake-ups 7-24 ms against ~3 ms after, the claims carrying the upkeep 6-10 ms: its
-    p95 and p99). Here the plans are made when the pool opens a connection, where no run waits
-    for them. The parameters have the types of the real calls (psycopg keys a prepared
-    statement by its text and its parameters' types)."""
-    names = list(handlers)
+    Why: a statement is planned on its first run in a session (a generic plan, kept), 2-8 ms
+    for lock_tenants, claim_runs and finish_runs on this machine, and a session's first trip
+    also prepares them all; with 6 sessions a pool's first claims paid that (W2: its first
+    dozen wake-ups 7-24 ms against ~3 ms after, when psycopg still prepared a statement only
+    on its fifth run, and with 300 samples they were its p99). Here the plans are made when
+    the pool opens a connection, where no run waits for them."""
+    trip = Trip(conn)
     try:
         for name in UPKEEP:
-            await conn.execute(QUERIES[name], prepare=True)
-        await conn.execute(QUERIES["touch_worker"], {"worker_id": worker_id}, prepare=True)
-        await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": 0},
-                           prepare=True)
-        await conn.execute(QUERIES["claim_runs"], {
+            await trip.execute(QUERIES[name])
+        await trip.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
+        await trip.execute(QUERIES["lock_tenants"], {"handlers": list(handlers), "limit": 0})
+        await trip.execute(QUERIES["claim_runs"], {
             "limit": 0, "worker_id": worker_id, "lease_seconds": lease_seconds,
-            "handlers": names}, prepare=True)
-        await conn.execute(QUERIES["finish_runs"], finish_params([]), prepare=True)
+            "handlers": list(handlers)})
+        await trip.execute(QUERIES["finish_runs"], finish_params([]))
+        await trip.send()
     except psycopg.Error as exc:
         if conn.broken or conn.closed:
             # The pool must not keep a dead session: it connects again.

@@ -15,14 +15,17 @@ from runpool.db import open_pool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.outcomes import Outcome, finish_params
 from runpool.queries import QUERIES
-from runpool.warmup import plan_ahead
+from runpool.trips import Trip
+from runpool.warmup import UPKEEP, plan_ahead
 
-# How many times each of the session's prepared statements ran (PostgreSQL counts its plans),
-# in the order psycopg prepared them (it names them _pg3_0, _pg3_1, ...).
-PREPARED = """
-SELECT generic_plans + custom_plans FROM pg_prepared_statements
-ORDER BY substring(name FROM '[0-9]+$')::int
-"""
+# How many times each of the session's prepared statements ran (PostgreSQL counts its plans).
+PREPARED = "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements"
+PLANNED_AHEAD = {f"runpool_{n}" for n in
+                 (*UPKEEP, "touch_worker", "lock_tenants", "claim_runs", "finish_runs")}
+
+
+async def _runs(c: psycopg.AsyncConnection[Any]) -> dict[str, int]:
+    return {name: n for name, n in await (await c.execute(PREPARED)).fetchall()}
 
 
 def test_plan_ahead__the_first_claim_and_finish_use_the_plans_made_when_the_session_opened(
@@ -32,35 +35,37 @@ def test_plan_ahead__the_first_claim_and_finish_use_the_plans_made_when_the_sess
     worker = uuid.uuid4()
     handlers = ["noop", "other"]
 
-    async def main() -> tuple[list[int], list[int], list[uuid.UUID],
+    async def main() -> tuple[dict[str, int], dict[str, int], list[uuid.UUID],
                               list[tuple[uuid.UUID, str]]]:
         pool = await open_pool(dsn, size=1, name="warmup-test", prepare=functools.partial(
             plan_ahead, worker_id=worker, lease_seconds=30.0, handlers=handlers))
         try:
             async with pool.connection() as c:
-                before = [n for (n,) in await (await c.execute(PREPARED)).fetchall()]
-                # As the worker claims: its handlers, its lease, no reap or promotion (those
-                # are not planned ahead).
+                before = await _runs(c)
+                # As the worker claims and finishes: its handlers, its lease, a trip each.
                 got = await claim(c, limit=10, worker_id=worker, lease_seconds=30.0,
                                   handlers=handlers, reap_expired=False, promote=False,
                                   no_jit=False)
                 outcomes = [Outcome(r.id, r.attempt, "succeeded", result=b'{"ok": 1}')
                             for r in got]
-                finished = await (await c.execute(QUERIES["finish_runs"],
-                                                  finish_params(outcomes))).fetchall()
-                after = [n for (n,) in await (await c.execute(PREPARED)).fetchall()]
-                return before, after, [r.id for r in got], finished
+                trip = Trip(c)
+                answer = await trip.execute(QUERIES["finish_runs"], finish_params(outcomes))
+                await trip.send()
+                after = await _runs(c)
+                return before, after, [r.id for r in got], await answer.fetchall()
         finally:
             await pool.close()
 
     before, after, claimed, finished = asyncio.run(main())
-    # The claim's upkeep (6 statements), touch_worker, lock_tenants, claim_runs and
-    # finish_runs, prepared and run once when the session opened ...
-    assert before == [1] * 10
-    # ... are the ones the claim and the finish ran (psycopg keys a prepared statement by its
-    # text and its parameters' types: with other types they would have been parsed and
-    # planned anew, unprepared, until their fifth run).
-    assert after == [1] * 7 + [2, 2, 2]
+    # Every statement of the claim and the batch was prepared, and run (planned) once, when
+    # the session opened; the serial keys' three are prepared only.
+    assert {name for name, n in before.items() if n == 1} == PLANNED_AHEAD
+    assert {name for name, n in before.items() if n == 0} == {
+        "runpool_defer_serial_release", "runpool_lock_ended_serial_keys",
+        "runpool_release_serial_keys"}
+    # The claim and the finish ran those plans: nothing was prepared again.
+    assert after == before | {"runpool_lock_tenants": 2, "runpool_claim_runs": 2,
+                              "runpool_finish_runs": 2}
     assert sorted(claimed) == sorted(ids)
     assert sorted(finished) == sorted((i, "succeeded") for i in ids)
 
