@@ -182,3 +182,16 @@ def race_claimers(dsn: str, *, claimers: int, max_limit: int, probe: Any
 
     asyncio.run(main())
     return rows, samples
+
+
+async def claim_cancelled_after(c: psycopg.AsyncConnection[Any], delay_us: int,
+                                **options: Any) -> tuple[bool, list[uuid.UUID]]:
+    """A claim on `c` (claiming.claim's `options`) cancelled `delay_us` after it started:
+    whether the cancellation reached it, and the runs it returned if not."""
+    task = asyncio.create_task(claim(c, **options))
+    await asyncio.sleep(delay_us / 1e6)
+    task.cancel()
+    try:
+        return False, [r.id for r in await task]
+    except asyncio.CancelledError:
+        return True, []

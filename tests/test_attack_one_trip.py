@@ -17,7 +17,7 @@ from runpool.harness.measure import wait_until
 from runpool.queries import QUERIES
 from runpool.testing.proxy import Proxy
 
-from .helpers import running_pool, status_of, wait_for
+from .helpers import claim_cancelled_after, running_pool, status_of, wait_for
 from .pgbouncer import pgbouncer
 
 IDLE = psycopg.pq.TransactionStatus.IDLE
@@ -89,16 +89,9 @@ def test_one_trip__a_claim_cancelled_anywhere_strands_nothing_silently(
 
     async def main() -> tuple[object, object, bool, list[uuid.UUID]]:
         async with await aconnect(dsn, autocommit=True) as c:
-            task = asyncio.create_task(claim(c, limit=5, worker_id=uuid.uuid4(),
-                                             lease_seconds=30, handlers=["noop"]))
-            await asyncio.sleep(delay_us / 1e6)
-            task.cancel()
-            cancelled = False
-            got: list[uuid.UUID] = []
-            try:
-                got = [r.id for r in await task]
-            except asyncio.CancelledError:
-                cancelled = True
+            cancelled, got = await claim_cancelled_after(
+                c, delay_us, limit=5, worker_id=uuid.uuid4(), lease_seconds=30,
+                handlers=["noop"])
             status = c.info.transaction_status
             pipe = c.pgconn.pipeline_status
             cur = await c.execute("SELECT 42")

@@ -23,7 +23,7 @@ from runpool.outcomes import OutcomeWriter, finish_params, from_result
 from runpool.queries import QUERIES
 from runpool.trips import HOT, Trip, prepared_sql
 
-from .helpers import run_row
+from .helpers import claim_cancelled_after, run_row
 
 IDLE = psycopg.pq.TransactionStatus.IDLE
 # Strings that would end, or escape, a badly quoted literal (or a dollar-quoted one).
@@ -293,16 +293,8 @@ def test_trip__a_claim_cancelled_anywhere_strands_nothing_silently(
 
     async def main() -> tuple[object, bool, list[uuid.UUID]]:
         async with await aconnect(dsn, autocommit=True) as c:
-            task = asyncio.create_task(claim(c, limit=5, no_jit=False,
-                                             **_claim_options(["noop"])))
-            await asyncio.sleep(delay_us / 1e6)
-            task.cancel()
-            cancelled = False
-            got: list[uuid.UUID] = []
-            try:
-                got = [r.id for r in await task]
-            except asyncio.CancelledError:
-                cancelled = True
+            cancelled, got = await claim_cancelled_after(
+                c, delay_us, limit=5, no_jit=False, **_claim_options(["noop"]))
             status = c.info.transaction_status
             cur = await c.execute("SELECT 42")
             assert await cur.fetchone() == (42,)
