@@ -129,7 +129,7 @@ class Trip:
             # Its implicit transaction is what makes the trip all-or-nothing.
             raise psycopg.ProgrammingError("a trip needs an autocommit connection")
         self.connection = conn
-        self._encoding = _sessions.get(conn) or conn.info.encoding
+        self._encoding = _sessions.get(conn) or _encoding(conn)
         # libpq's quoting, for the connection's encoding and settings.
         self._escaping = psycopg.pq.Escaping(conn.pgconn)
         self._parts: list[bytes] = []
@@ -229,6 +229,16 @@ def _element(value: Any) -> str:
     return '"' + _text(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _encoding(conn: psycopg.AsyncConnection[Any]) -> str:
+    """The Python codec of the literals' bytes: the session's client encoding, but UTF-8 where
+    that is SQL_ASCII (psycopg says 'ascii'), which takes bytes as they come: psycopg's own
+    str dumpers send UTF-8 there too, so a non-ASCII result or handler name is stored as it
+    was before trips, not refused (attack5: a SQL_ASCII database's worker failed every such
+    outcome and could not claim a non-ASCII handler)."""
+    encoding = conn.info.encoding
+    return "utf-8" if encoding == "ascii" else encoding
+
+
 async def _prepare(conn: psycopg.AsyncConnection[Any]) -> None:
     """Prepare the HOT statements the session lacks (all on a new session, after DISCARD ALL
     all, after a DEALLOCATE that one) and remember it has them. Asked, not assumed: a PREPARE
@@ -241,4 +251,4 @@ async def _prepare(conn: psycopg.AsyncConnection[Any]) -> None:
                          for p in _BY_TEXT.values() if p.name.decode() not in have)
     if prepare:
         await conn.execute(prepare.encode(), prepare=False)
-    _sessions[conn] = conn.info.encoding
+    _sessions[conn] = _encoding(conn)

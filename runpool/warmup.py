@@ -48,7 +48,9 @@ async def plan_ahead(conn: psycopg.AsyncConnection[Any], *, worker_id: uuid.UUID
             "handlers": list(handlers)})
         await trip.execute(QUERIES["finish_runs"], finish_params([]))
         await trip.send()
-    except psycopg.Error as exc:
+    except Exception as exc:
+        # Whatever went wrong (a refused statement, a value the session's encoding cannot
+        # carry), the session is still good to work: only a broken one is not.
         if conn.broken or conn.closed:
             # The pool must not keep a dead session: it connects again.
             raise
