@@ -195,3 +195,8 @@ async def claim_cancelled_after(c: psycopg.AsyncConnection[Any], delay_us: int,
         return False, [r.id for r in await task]
     except asyncio.CancelledError:
         return True, []
+
+
+# A pool's LISTEN connection is up (the worker hears the doorbell): its count.
+LISTENING = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+             " AND query ~* '^\\s*LISTEN'")

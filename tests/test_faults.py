@@ -18,6 +18,7 @@ from runpool.deadlines import bounded
 from runpool.migrate import migrate
 from runpool.testing import Proxy
 from tests.helpers import (
+    LISTENING,
     assert_invariants,
     events,
     live_workers,
@@ -142,6 +143,10 @@ def test_connections_cut__worker_reconnects_and_the_run_finishes(
     run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 1})
     with running_pool(proxy.dsn(dsn), lease_seconds=3) as pool:
         wait_for(lambda: run_row(conn, run_id)["status"] == "running", what="claim")
+        # The LISTEN connection too, once it is up: a claim planned ahead (runpool.warmup)
+        # can take the run before the listener has connected (CI: the cut then met its
+        # connect, listen_connect_failed, and nothing was lost to reconnect from).
+        wait_for(lambda: conn.execute(LISTENING).fetchone() == (1,), what="the LISTEN")
         proxy.cut()  # every connection, the LISTEN one included, dies mid-flight
         wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=40,
                  what="run finished")
@@ -199,6 +204,8 @@ def test_postgres_crash_restart__runs_in_flight_all_finish_once(private_server: 
         with connect(dsn, autocommit=True) as conn:
             wait_for(lambda: scalar(conn, "SELECT count(*) FROM runpool.runs"
                                     " WHERE status = 'running'") == 20, what="20 in flight")
+            # The host's LISTEN connection is up too (claims planned ahead can beat it).
+            wait_for(lambda: conn.execute(LISTENING).fetchone() == (1,), what="the LISTEN")
         # A crash: every backend killed at once, then crash recovery replays the WAL.
         pg_ctl(["-w", "-m", "immediate", "restart"], pgdata=private_server.pgdata,
                user=private_server.system_user, timeout=60)

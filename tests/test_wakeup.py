@@ -13,12 +13,9 @@ from typing import Any
 import psycopg
 
 import runpool
-from tests.helpers import running_pool, status_of, wait_for
+from tests.helpers import LISTENING, running_pool, status_of, wait_for
 
 RUNS = 10
-# A pool's LISTEN connection is up (the worker hears the doorbell).
-LISTENING = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-             " AND query ~* '^\\s*LISTEN'")
 
 
 def _stopped_claims(log: str) -> dict[str, Any]:
