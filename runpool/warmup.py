@@ -38,14 +38,15 @@ async def plan_ahead(conn: psycopg.AsyncConnection[Any], *, worker_id: uuid.UUID
     on its fifth run, and with 300 samples they were its p99). Here the plans are made when
     the pool opens a connection, where no run waits for them."""
     trip = Trip(conn)
+    names = list(handlers)
     try:
         for name in UPKEEP:
             await trip.execute(QUERIES[name])
         await trip.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
-        await trip.execute(QUERIES["lock_tenants"], {"handlers": list(handlers), "limit": 0})
+        await trip.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": 0})
         await trip.execute(QUERIES["claim_runs"], {
             "limit": 0, "worker_id": worker_id, "lease_seconds": lease_seconds,
-            "handlers": list(handlers)})
+            "handlers": names})
         await trip.execute(QUERIES["finish_runs"], finish_params([]))
         await trip.send()
     except Exception as exc:

@@ -16,6 +16,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from runpool.claiming import claim
+from runpool.context import Run
 from runpool.db import aconnect
 from runpool.queries import QUERIES
 from runpool.testing import invariants, pools
@@ -200,3 +201,32 @@ async def claim_cancelled_after(c: psycopg.AsyncConnection[Any], delay_us: int,
 # A pool's LISTEN connection is up (the worker hears the doorbell): its count.
 LISTENING = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
              " AND query ~* '^\\s*LISTEN'")
+
+
+def claim_told(dsn: str, limit: int, told: list[bool]) -> list[uuid.UUID]:
+    """One claim of handler noop on a connection of its own (bounded: 30 s), telling `told`
+    whether it skipped a held quota'd tenant; the ids it took."""
+
+    async def one() -> list[uuid.UUID]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            got = await asyncio.wait_for(claim(
+                c, limit=limit, worker_id=uuid.uuid4(), lease_seconds=30, handlers=["noop"],
+                on_skipped=told.append), 30)
+            return [r.id for r in got]
+
+    return asyncio.run(one())
+
+
+async def agent_turns(pool: Any, group: Any, run_id: uuid.UUID, turns: int, tool: str,
+                      fn: Callable[[Any, str], Any],
+                      message: Callable[[int], Any] = lambda turn: {"turn": turn}) -> None:
+    """An agent run as a worker's handler makes it (attempt 1 held by the caller): `turns`
+    turns, each after a short random pause (seeded by the run), a tool call of `fn` and a
+    message, through `group` (a CommitGroup) on `pool`."""
+    run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={}, pool=pool,
+              commits=group)
+    rng = random.Random(str(run_id))
+    for turn in range(turns):
+        await asyncio.sleep(rng.uniform(0, 0.02))
+        await run.tool(f"t{turn}", tool, {"turn": turn}, fn)
+        await run.add_message("assistant", message(turn))

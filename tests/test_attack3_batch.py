@@ -4,7 +4,6 @@ batch's writes of one kind go as one statement carrying the writes as a JSON arr
 from __future__ import annotations
 
 import asyncio
-import random
 import uuid
 from typing import Any
 
@@ -13,10 +12,11 @@ import psycopg
 
 import checkpoints
 from runpool.commits import MAX_BATCH, MAX_INFLIGHT, CommitGroup
-from runpool.context import Run
 from runpool.db import connect, jsonb, open_pool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.waits import signal_run
+
+from .helpers import agent_turns
 
 # The runs as a worker holds them (attempt 1), as runpool.harness.turn_cost does.
 HOLD = """
@@ -176,6 +176,38 @@ def test_a_batch_of_large_tool_results_costs_the_server_no_more_than_the_results
     assert max(growth.values()) < payload_mb, (growth, payload_mb)
 
 
+def _beside_a_batch(dsn: str, fillers: list[uuid.UUID], other: uuid.UUID,
+                    writes: dict[str, checkpoints.Statement]) -> dict[str, str]:
+    """MAX_INFLIGHT messages of `fillers` (they go alone at once), then a message of `other`
+    without a first-try statement and the named `writes` (those wait and go together in one
+    batch), through one CommitGroup. Each write's outcome by name: the type of its answer or
+    error, or 'pending' if it had none within 30 s (each write's own deadline is 10 s)."""
+    data = orjson.dumps({"turn": 1})
+
+    async def plain(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        return await checkpoints.append_message(conn, other, 1, "assistant", jsonb(data))
+
+    async def main() -> dict[str, str]:
+        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack3-batch")
+        try:
+            group = CommitGroup(pool)
+            named = {f"filler {i}": group.write(_op(w), 10, what="test", statement=w)
+                     for i, w in enumerate(_messages(fillers))}
+            named["the other write"] = group.write(plain, 10, what="test")
+            for name, w in writes.items():
+                named[name] = group.write(_op(w), 10, what="test", statement=w)
+            tasks = {asyncio.ensure_future(c): name for name, c in named.items()}
+            _, pending = await asyncio.wait(tasks, timeout=30)
+            for task in pending:
+                task.cancel()
+            return {tasks[t]: "pending" if t in pending else
+                    type(t.exception() or t.result()).__name__ for t in tasks}
+        finally:
+            await pool.close()
+
+    return asyncio.run(main())
+
+
 def test_a_write_beside_a_failing_batch_statement_is_answered(dsn: str) -> None:
     """A batch of a write without a first-try statement (a repeat, a usage or wait write, or
     any write of a batch that failed before) and two tool results, one of them None (the
@@ -187,33 +219,9 @@ def test_a_write_beside_a_failing_batch_statement_is_answered(dsn: str) -> None:
     fillers, other, results = ids[:MAX_INFLIGHT], ids[MAX_INFLIGHT], ids[MAX_INFLIGHT + 1:]
     out, _ = asyncio.run(_send(dsn, _intents(results)))
     assert out == [1, 1]
-    data = orjson.dumps({"turn": 1})
-
-    async def plain(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
-        return await checkpoints.append_message(conn, other, 1, "assistant", jsonb(data))
-
-    async def main() -> list[str]:
-        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack3-batch")
-        try:
-            group = CommitGroup(pool)
-            # The first MAX_INFLIGHT writes go alone at once; the others wait and go
-            # together in one batch.
-            named = {f"filler {i}": group.write(_op(w), 10, what="test", statement=w)
-                     for i, w in enumerate(_messages(fillers))}
-            named["the other write"] = group.write(plain, 10, what="test")
-            for i, w in enumerate(_results(results, [{"ok": 1}, None])):
-                named[f"result {i}"] = group.write(_op(w), 10, what="test", statement=w)
-            tasks = {asyncio.ensure_future(c): name for name, c in named.items()}
-            # Each write's own deadline is 10 s: by 30 s every one has its answer.
-            done, pending = await asyncio.wait(tasks, timeout=30)
-            for task in pending:
-                task.cancel()
-            assert all(isinstance(t.result(), int) for t in done)
-            return sorted(tasks[t] for t in pending)
-        finally:
-            await pool.close()
-
-    assert asyncio.run(main()) == []
+    answers = _beside_a_batch(dsn, fillers, other, {
+        f"result {i}": w for i, w in enumerate(_results(results, [{"ok": 1}, None]))})
+    assert set(answers.values()) == {"int"}, answers
     with connect(dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM runpool.messages WHERE run_id = %s",
                             (other,)).fetchone() == (1,)
@@ -237,13 +245,7 @@ def test_agents_whose_tools_return_none_all_finish(dsn: str) -> None:
             group = CommitGroup(pool)
 
             async def agent(run_id: uuid.UUID) -> None:
-                run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={},
-                          pool=pool, commits=group)
-                rng = random.Random(str(run_id))
-                for turn in range(6):
-                    await asyncio.sleep(rng.uniform(0, 0.02))
-                    await run.tool(f"t{turn}", "act", {"turn": turn}, act)
-                    await run.add_message("assistant", {"turn": turn})
+                await agent_turns(pool, group, run_id, 6, "act", act)
 
             tasks = [asyncio.ensure_future(agent(i)) for i in ids]
             # A write's deadline is 30 s (Run's write_timeout): by 90 s every run is done.
@@ -266,29 +268,8 @@ def test_a_write_beside_a_batch_statement_the_database_fails_is_answered(dsn: st
     ids = _held(dsn, MAX_INFLIGHT + 3)
     fillers, other, messages = ids[:MAX_INFLIGHT], ids[MAX_INFLIGHT], ids[MAX_INFLIGHT + 1:]
     data = orjson.dumps({"turn": 1})
-
-    async def plain(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
-        return await checkpoints.append_message(conn, other, 1, "assistant", jsonb(data))
-
-    async def main() -> dict[str, str]:
-        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="attack3-batch")
-        try:
-            group = CommitGroup(pool)
-            named = {f"filler {i}": group.write(_op(w), 10, what="test", statement=w)
-                     for i, w in enumerate(_messages(fillers))}
-            named["the other write"] = group.write(plain, 10, what="test")
-            for role, run_id in zip(["assistant", ""], messages, strict=True):
-                w = checkpoints.message_write(run_id, 1, role, jsonb(data), encoded=data)
-                named[f"role {role!r}"] = group.write(_op(w), 10, what="test", statement=w)
-            tasks = {asyncio.ensure_future(c): name for name, c in named.items()}
-            _, pending = await asyncio.wait(tasks, timeout=30)
-            for task in pending:
-                task.cancel()
-            return {tasks[t]: "pending" if t in pending else
-                    type(t.exception() or t.result()).__name__ for t in tasks}
-        finally:
-            await pool.close()
-
-    out = asyncio.run(main())
+    out = _beside_a_batch(dsn, fillers, other, {
+        f"role {role!r}": checkpoints.message_write(run_id, 1, role, jsonb(data), encoded=data)
+        for role, run_id in zip(["assistant", ""], messages, strict=True)})
     assert out.pop("role ''") == "CheckViolation", out
     assert set(out.values()) == {"int"}, out

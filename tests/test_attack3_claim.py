@@ -4,17 +4,12 @@ array literals (outcomes.finish_params)."""
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-
 import psycopg
 
 import runpool
-from runpool.claiming import claim
-from runpool.db import aconnect
 from runpool.queries import QUERIES
 
-from .helpers import running_pool, status_of, wait_for
+from .helpers import claim_told, running_pool, status_of, wait_for
 
 
 def test_held_tenant__a_claim_of_one_takes_another_tenants_run_not_nothing(
@@ -28,16 +23,8 @@ def test_held_tenant__a_claim_of_one_takes_another_tenants_run_not_nothing(
     hostile = psycopg.connect(dsn)
     hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
     told: list[bool] = []
-
-    async def one_claim() -> list[uuid.UUID]:
-        async with await aconnect(dsn, autocommit=True) as c:
-            got = await asyncio.wait_for(claim(
-                c, limit=1, worker_id=uuid.uuid4(), lease_seconds=30, handlers=["noop"],
-                on_skipped=told.append), 30)
-            return [r.id for r in got]
-
     try:
-        got = asyncio.run(one_claim())
+        got = claim_told(dsn, 1, told)
     finally:
         hostile.close()
     assert (got, told) == ([free], [True])

@@ -17,7 +17,7 @@ from runpool.harness.measure import wait_until
 from runpool.queries import QUERIES
 from runpool.testing.proxy import Proxy
 
-from .helpers import claim_cancelled_after, running_pool, status_of, wait_for
+from .helpers import claim_cancelled_after, claim_told, running_pool, status_of, wait_for
 from .pgbouncer import pgbouncer
 
 IDLE = psycopg.pq.TransactionStatus.IDLE
@@ -276,22 +276,14 @@ def test_held_tenant__a_claim_skips_it_takes_the_others_and_says_it_skipped(
     hostile = psycopg.connect(dsn)
     hostile.execute(HOLDS["set_tenant_quota"])
     told: list[bool] = []
-
-    async def one_claim() -> list[uuid.UUID]:
-        async with await aconnect(dsn, autocommit=True) as c:
-            got = await asyncio.wait_for(claim(
-                c, limit=10, worker_id=uuid.uuid4(), lease_seconds=30, handlers=["noop"],
-                on_skipped=told.append), 30)
-            return [r.id for r in got]
-
     try:
-        first = asyncio.run(one_claim())
+        first = claim_told(dsn, 10, told)
         assert status_of(conn, held) == "queued"
         hostile.commit()
     finally:
         hostile.close()
     assert sorted(first) == sorted(free)
-    assert asyncio.run(one_claim()) == [held]
+    assert claim_told(dsn, 10, told) == [held]
     assert told == [True, False]
 
 

@@ -6,7 +6,6 @@ its events keep unique seqs in commit order."""
 from __future__ import annotations
 
 import asyncio
-import random
 import uuid
 from typing import Any
 
@@ -16,12 +15,12 @@ from psycopg.types.json import Jsonb
 
 import checkpoints
 from runpool.commits import MAX_INFLIGHT, CommitGroup
-from runpool.context import Run
 from runpool.db import connect, open_pool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.errors import LeaseLost
 from runpool.testing import Proxy
 
+from .helpers import agent_turns
 from .pgbouncer import pgbouncer
 
 # The runs as a worker holds them (attempt 1), as runpool.harness.turn_cost does.
@@ -87,14 +86,8 @@ def _agents_counted(dsn: str, ids: list[uuid.UUID], *, boom: uuid.UUID | None = 
             group = CommitGroup(pool)
 
             async def agent(run_id: uuid.UUID) -> None:
-                run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={},
-                          pool=pool, commits=group)
-                rng = random.Random(str(run_id))
-                for turn in range(TURNS):
-                    await asyncio.sleep(rng.uniform(0, 0.02))
-                    await run.tool(f"t{turn}", "search", {"turn": turn}, _lookup)
-                    await run.add_message("assistant", "boom" if run_id == boom and turn == 2
-                                          else {"turn": turn})
+                await agent_turns(pool, group, run_id, TURNS, "search", _lookup, lambda turn:
+                                  "boom" if run_id == boom and turn == 2 else {"turn": turn})
 
             tasks = [asyncio.ensure_future(agent(i)) for i in ids]
             if meanwhile is not None:
