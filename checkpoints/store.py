@@ -44,16 +44,20 @@ __all__ = [
 ]
 
 # Does this attempt still hold the run? (Only asked to explain a write that wrote nothing.)
+# `lease_expires_at IS NOT NULL` is how a worker's statement says the run is running (the
+# running_has_lease check makes the two the same), so that no plan reads the run through a
+# partial index of running runs: see "How a worker's statement says running" in
+# runpool/queries.sql.
 HOLDS: Final = """
 SELECT 1 FROM runpool.runs
-WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
+WHERE id = %(run_id)s AND attempt = %(attempt)s AND lease_expires_at IS NOT NULL
 """
 # The fence every write starts with: the run row, locked, only while this attempt holds it.
 # (Static text joined to each statement below; nothing in it is dynamic.)
 FENCE: Final = """
 WITH fence AS (
     SELECT id, event_seq FROM runpool.runs
-    WHERE id = %(run_id)s AND attempt = %(attempt)s AND status = 'running'
+    WHERE id = %(run_id)s AND attempt = %(attempt)s AND lease_expires_at IS NOT NULL
     FOR SHARE
 )"""
 # The write's event seqs, after the fence (0018): the run's counter row advanced by

@@ -42,14 +42,15 @@ UPDATE runpool.runs r SET
         'tool_calls', greatest(coalesce((r.usage ->> 'tool_calls')::bigint, 0), %(tool_calls)s),
         'turns', greatest(coalesce((r.usage ->> 'turns')::bigint, 0), %(turns)s)),
     usage_write = %(write)s
-WHERE r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.status = 'running'
+-- (Running, said as a worker's statements say it: see queries.sql.)
+WHERE r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.lease_expires_at IS NOT NULL
   AND r.usage_write IS DISTINCT FROM %(write)s
 RETURNING r.usage::text
 """
 # The totals after this attempt's own earlier write `write` (a repeat reads them back).
 USAGE_WRITTEN: Final = """
 SELECT r.usage::text FROM runpool.runs r
-WHERE r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.status = 'running'
+WHERE r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.lease_expires_at IS NOT NULL
   AND r.usage_write = %(write)s
 """
 # Reserve units of a rate limit: the seconds to wait before using them, and the reservation's

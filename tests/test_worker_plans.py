@@ -1,0 +1,110 @@
+"""A worker's statements about given runs read `runs` through its primary key only, whatever
+statistics the worker's generic plans were made with: never a sequential scan, and never a
+partial index of running runs (runs_lease, runs_running_tenant), which keeps an entry for every
+run that ran since the last vacuum (see "How a worker's statement says running" in
+runpool/queries.sql). Found in W1's drain, 2 x 10: outcome batches ANDed a bitmap of runs_lease
+and read 1,500-20,000 entries each (up to 7.6 ms, auto_explain on a private cluster); and in
+W11cpu, where every checkpoint write read all 500 running runs' entries of
+runs_running_tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+import runpool
+from checkpoints.store import message_write
+from runpool.claiming import ClaimedRun, claim
+from runpool.db import WORKER_SESSION, aconnect, dumps
+from runpool.outcomes import Outcome, finish_params
+from runpool.queries import QUERIES
+from runpool.trips import prepared_sql
+
+
+def _scans(plan: dict[str, Any]) -> Iterator[tuple[str, str | None]]:
+    """(node type, index) of every node of the plan that reads runpool.runs."""
+    if plan.get("Relation Name") == "runs" and plan["Node Type"] != "ModifyTable":
+        if plan["Node Type"] == "Bitmap Heap Scan":
+            yield from _bitmaps(plan)
+        else:
+            yield plan["Node Type"], plan.get("Index Name")
+    for child in plan.get("Plans", []):
+        yield from _scans(child)
+
+
+def _bitmaps(plan: dict[str, Any]) -> Iterator[tuple[str, str | None]]:
+    """The indexes a bitmap heap scan reads (under its BitmapAnd or BitmapOr, if any)."""
+    for child in plan.get("Plans", []):
+        if child["Node Type"] == "Bitmap Index Scan":
+            yield "Bitmap Index Scan", child["Index Name"]
+        else:
+            yield from _bitmaps(child)
+
+
+def _statements(running: list[ClaimedRun], worker: uuid.UUID) -> dict[str, tuple[str, Any]]:
+    """The worker's statements about these running runs, with their parameters."""
+    ids, attempts = [r.id for r in running], [r.attempt for r in running]
+    one = running[0]
+    message = message_write(one.id, one.attempt, "user", Jsonb({"text": "hi"}),
+                            encoded=dumps({"text": "hi"}))
+    assert message.batch is not None
+    return {
+        "finish_runs": (QUERIES["finish_runs"], finish_params(
+            [Outcome(r.id, r.attempt, "succeeded", result=b"{}") for r in running])),
+        "heartbeat": (QUERIES["heartbeat"], {"ids": ids, "attempts": attempts,
+                                             "lease_seconds": 60, "worker_id": worker}),
+        "read_cancel_flags": (QUERIES["read_cancel_flags"], {"ids": ids,
+                                                             "attempts": attempts}),
+        "release_runs": (QUERIES["release_runs"], {"ids": ids, "attempts": attempts,
+                                                   "worker_id": worker}),
+        "message": (message.query, message.params),
+        "batch_message": (message.batch, message.batch_params([message.row])),
+    }
+
+
+async def _plans(dsn: str) -> dict[str, set[tuple[str, str | None]]]:
+    """Each statement's generic plan, as a worker's session prepares it (runpool.trips),
+    executed in a transaction rolled back."""
+    async with await aconnect(dsn, autocommit=True) as conn:
+        await conn.execute(WORKER_SESSION)
+        worker = uuid.uuid4()
+        running = await claim(conn, limit=10, worker_id=worker, lease_seconds=60,
+                              reap_expired=False, handlers=["noop"], no_jit=False)
+        assert len(running) == 10
+        literal = psycopg.AsyncClientCursor(conn)
+        plans = {}
+        for name, (query, params) in _statements(running, worker).items():
+            sql, names = prepared_sql(query)
+            await conn.execute("PREPARE " + name + " AS " + sql)
+            args = ", ".join(["%s"] * len(names))
+            execute = literal.mogrify(f"EXECUTE {name}({args})", [params[n] for n in names])
+            async with conn.transaction(force_rollback=True):
+                cur = await conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + execute)
+                row = await cur.fetchone()
+            assert row is not None
+            plans[name] = set(_scans(row[0][0]["Plan"]))
+        return plans
+
+
+# (A table of a few dozen rows is read whole: its plan is made again once autovacuum's
+# ANALYZE sees it grow, which invalidates the session's prepared statements.)
+@pytest.mark.parametrize("stats", ["bulk_queued", "none"])
+def test_a_worker_reads_given_runs_through_the_primary_key_only(
+        conn: psycopg.Connection[Any], dsn: str, stats: str) -> None:
+    conn.execute("ALTER TABLE runpool.runs SET (autovacuum_enabled = off)")
+    runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop") for _ in range(12_000)])
+    if stats != "none":
+        # Statistics from when every run was queued, as autovacuum's first pass over a bulk
+        # load leaves them: `running` looks empty, so its partial indexes look free to scan.
+        conn.execute("ANALYZE runpool.runs")
+    conn.commit()
+    plans = asyncio.run(_plans(dsn))
+    wrong = {name: scans for name, scans in plans.items()
+             if not scans or {index for _, index in scans} != {"runs_pkey"}}
+    assert not wrong, wrong
