@@ -32,8 +32,8 @@ WITH fence AS (
     -- The ids as an array too, so the plan reads the runs through their primary key: a
     -- generic plan takes the batch for 100 rows and would rather hash it against all of
     -- `runs` up to a table of about 20,000 (tests/test_worker_plans.py).
-    WHERE r.id = ANY(ARRAY(SELECT (e ->> 'run_id')::uuid
-                           FROM jsonb_array_elements(%(rows)s) AS e))
+    -- (Only the ids are read out: jsonb_array_elements would copy every write's content.)
+    WHERE r.id = ANY(ARRAY(SELECT i.run_id FROM jsonb_to_recordset(%(rows)s) AS i(run_id uuid)))
     ORDER BY r.id
     FOR SHARE OF r SKIP LOCKED
 )"""
