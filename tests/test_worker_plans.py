@@ -5,22 +5,25 @@ run that ran since the last vacuum (see "How a worker's statement says running" 
 runpool/queries.sql). Found in W1's drain, 2 x 10: outcome batches ANDed a bitmap of runs_lease
 and read 1,500-20,000 entries each (up to 7.6 ms, auto_explain on a private cluster); and in
 W11cpu, where every checkpoint write read all 500 running runs' entries of
-runs_running_tenant."""
+runs_running_tenant. The worker's PL/pgSQL calls are held to the same: their statements'
+plans are not shown by EXPLAIN, so the test counts the scans of each index of `runs` they made
+(pg_stat_user_indexes), in a session planning generically as a worker's does."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
 import runpool
-from checkpoints.store import message_write
+from checkpoints.store import HOLDS, message_write
 from runpool.claiming import ClaimedRun, claim
+from runpool.costs import RECORD_USAGE, USAGE_WRITTEN
 from runpool.db import WORKER_SESSION, aconnect, dumps
 from runpool.outcomes import Outcome, finish_params
 from runpool.queries import QUERIES
@@ -51,6 +54,8 @@ def _statements(running: list[ClaimedRun], worker: uuid.UUID) -> dict[str, tuple
     """The worker's statements about these running runs, with their parameters."""
     ids, attempts = [r.id for r in running], [r.attempt for r in running]
     one = running[0]
+    usage = {"run_id": one.id, "attempt": one.attempt, "input_tokens": 1, "output_tokens": 1,
+             "cost": 0, "tool_calls": 0, "turns": 1}
     message = message_write(one.id, one.attempt, "user", Jsonb({"text": "hi"}),
                             encoded=dumps({"text": "hi"}))
     assert message.batch is not None
@@ -63,9 +68,53 @@ def _statements(running: list[ClaimedRun], worker: uuid.UUID) -> dict[str, tuple
                                                              "attempts": attempts}),
         "release_runs": (QUERIES["release_runs"], {"ids": ids, "attempts": attempts,
                                                    "worker_id": worker}),
+        "renew_busy": (QUERIES["renew_busy"], {"id": one.id, "attempt": one.attempt,
+                                               "lease_seconds": 60}),
+        "holds": (HOLDS, {"run_id": one.id, "attempt": one.attempt}),
+        "record_usage": (RECORD_USAGE, {**usage, "write": 1}),
+        "usage_written": (USAGE_WRITTEN, {**usage, "write": 1}),
         "message": (message.query, message.params),
         "batch_message": (message.batch, message.batch_params([message.row])),
     }
+
+
+# The worker's PL/pgSQL calls about these runs, with their parameters. (_wait: the check every
+# resumed run makes of a wait answered in an earlier attempt, the row of which is inserted.)
+CALLS: dict[str, str] = {
+    "publish_progress": "SELECT runpool.publish_progress(%(ids)s, %(attempts)s, %(payloads)s)",
+    "wait_answered": "SELECT * FROM runpool._wait(%(id)s, %(attempt)s, 1, 'signal', 'go',"
+                     " NULL, NULL)",
+}
+ANSWERED: Final = """
+INSERT INTO runpool.waits (run_id, seq, kind, name, attempt, state, payload, resolved_at)
+VALUES (%(id)s, 1, 'signal', 'go', %(attempt)s, 'signalled', '{}', now())
+"""
+# How many times each index of runs (and, as NULL, the table itself) has been scanned, as the
+# statistics this backend flushed last hold them: pg_stat_force_next_flush makes the statement
+# before this one flush its counts once it ends.
+SCANS: Final = """
+SELECT pg_stat_clear_snapshot(), NULL::name, seq_scan FROM pg_stat_user_tables
+WHERE relid = 'runpool.runs'::regclass
+UNION ALL
+SELECT NULL, indexrelname, idx_scan FROM pg_stat_user_indexes
+WHERE relid = 'runpool.runs'::regclass
+"""
+
+
+async def _scans_made(conn: psycopg.AsyncConnection[Any], call: str,
+                      params: dict[str, Any]) -> set[tuple[str, str | None]]:
+    """What a call read of runs, made in a transaction rolled back: (scan, index) per index
+    (or the table) that it scanned."""
+    async def counts() -> dict[str | None, int]:
+        await conn.execute("SELECT pg_stat_force_next_flush()")
+        cur = await conn.execute(SCANS)
+        return {name: n for _, name, n in await cur.fetchall()}
+    before = await counts()
+    async with conn.transaction(force_rollback=True):
+        await conn.execute(call, params)
+    after = await counts()
+    return {("Seq Scan" if name is None else "Index Scan", name)
+            for name, n in after.items() if n > before[name]}
 
 
 async def _plans(dsn: str) -> dict[str, set[tuple[str, str | None]]]:
@@ -89,6 +138,13 @@ async def _plans(dsn: str) -> dict[str, set[tuple[str, str | None]]]:
                 row = await cur.fetchone()
             assert row is not None
             plans[name] = set(_scans(row[0][0]["Plan"]))
+        one = running[0]
+        await conn.execute(ANSWERED, {"id": one.id, "attempt": one.attempt})
+        params = {"ids": [r.id for r in running], "attempts": [r.attempt for r in running],
+                  "payloads": [Jsonb({"step": 1}) for _ in running],
+                  "id": one.id, "attempt": one.attempt}
+        for name, call in CALLS.items():
+            plans[name] = await _scans_made(conn, call, params)
         return plans
 
 
