@@ -14,8 +14,8 @@
 -- (publish_progress also names the ids as an array, which the primary key serves).
 
 -- publish_progress (0009).
-CREATE OR REPLACE FUNCTION runpool.publish_progress(run_ids uuid[], attempts integer[], payloads jsonb[],
-                                         ended uuid[] DEFAULT '{}')
+CREATE OR REPLACE FUNCTION runpool.publish_progress(run_ids uuid[], attempts integer[],
+                                                    payloads jsonb[], ended uuid[] DEFAULT '{}')
 RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
@@ -46,9 +46,9 @@ END
 $$;
 
 -- _wait (0013).
-CREATE OR REPLACE FUNCTION runpool._wait(run_id uuid, attempt integer, seq integer, kind text, name text,
-                              children uuid[], timeout double precision,
-                              stay double precision DEFAULT 0)
+CREATE OR REPLACE FUNCTION runpool._wait(run_id uuid, attempt integer, seq integer, kind text,
+                                         name text, children uuid[], timeout double precision,
+                                         stay double precision DEFAULT 0)
 RETURNS TABLE (state text, payload jsonb, until timestamptz, seconds_left double precision)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, runpool, pg_temp
 AS $$
