@@ -19,6 +19,7 @@ from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
 from .errors import InvalidInput, UsageError
+from .tasks import finish_anyway
 
 __all__ = [
     "CHECK_NAME",
@@ -302,7 +303,14 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
         max_idle=300,
         reconnect_timeout=3600,
     )
-    await pool.open(wait=True, timeout=30)
+    try:
+        await pool.open(wait=True, timeout=30)
+    except BaseException:
+        # Cancelled (a pool stopped while it was starting: its heartbeat's own pool opens
+        # then) or failed: closed to its end, else its maintenance tasks outlive it, and the
+        # event loop's shutdown waited on them for good (a test's asyncio.run, now and then).
+        await finish_anyway(pool.close())
+        raise
     return pool
 
 

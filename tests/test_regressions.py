@@ -184,3 +184,11 @@ def test_regressions__stopped_by_sigterm_it_stops_the_bench_it_runs(tmp_path: Pa
     harness.terminate()
     assert harness.wait(timeout=90) != 0
     assert log.read_text().splitlines() == ["old W7 fit", "old W7 interrupted"]
+
+
+def test_verdict__a_cpu_difference_under_its_resolution_is_not_judged() -> None:
+    # Two fake benches' interpreter starts, a hundredth or two apart (what flagged W9 now and
+    # then in the test above, and had it run again).
+    assert verdict("client_cpu_s", [0.03, 0.03], [0.05, 0.05]) == "~"
+    assert verdict("client_cpu_s", [1.0, 1.02], [1.5, 1.51]) == "WORSE"
+    assert verdict("p50_ms", [0.03, 0.03], [0.05, 0.05]) == "WORSE"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
 import uuid
+from typing import Any
 
 import psycopg
 
@@ -284,3 +286,16 @@ def test_worker_processes__run_on_uvloop_unless_turned_off() -> None:
 
     assert _loop_factory(Settings()) is uvloop.new_event_loop
     assert _loop_factory(Settings(uvloop=False)) is None
+
+
+def test_pool_stopped_as_it_starts__leaves_no_task_behind(dsn: str) -> None:
+    """Stopped at once, the worker cancels its heartbeat while that opens its own pool: the
+    half-open pool's maintenance tasks were left running, and asyncio.run's shutdown waited on
+    them now and then for good (a CI run of test_schedules hung 180 s)."""
+    async def main() -> list[asyncio.Task[Any]]:
+        for _ in range(3):
+            async with runpool.Pool(runpool.App(), dsn=dsn):
+                pass
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(main()) == []

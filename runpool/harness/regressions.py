@@ -16,7 +16,8 @@ a workload NEW fails more often than OLD (exit status, no JSON line, timeout) is
 flagged workload runs `--confirm` pairs more (2), and is judged again on all its pairs: on a
 loaded machine two or three pairs flag noise now and then. Beside each workload's metrics:
 client_cpu_s, the CPU seconds of the bench process and every pool it ran (waited-for
-children, so less load-dependent than times), and wall_s (shown, not judged). Exit status 1
+children, so less load-dependent than times; a difference under 0.1 s is not judged), and
+wall_s (shown, not judged). Exit status 1
 if anything is flagged.
 """
 
@@ -44,6 +45,10 @@ PARAMETERS: Final = frozenset({"workload", "runs", "keys", "calls", "cancels", "
                                "seconds", "window_s", "window_bound"})
 # Counts that must be zero in every run: one is a broken guarantee, not a slower run.
 MUST_BE_ZERO: Final = frozenset({"order_violations"})
+# The least difference of a metric's medians that is judged at all: client_cpu_s is read from
+# rusage in hundredths, and a bench's own start (its interpreter's import of runpool) differs
+# by a few of them run to run, which two pairs' spread of a short workload can be under.
+LEAST_DIFFERENCE: Final = {"client_cpu_s": 0.1}
 # Shown beside the metrics, never judged (the machine's load decides it more than the code).
 INFORMATIONAL: Final = frozenset({"wall_s"})
 # How long a bench process gets after SIGINT (its pools stopped, its databases dropped).
@@ -189,7 +194,7 @@ def verdict(metric: str, old: list[float], new: list[float], *, tolerance: float
         return "?"
     worse_by = (statistics.median(new) - statistics.median(old)) * -sign
     spread = max(max(old) - min(old), max(new) - min(new))
-    margin = tolerance * abs(statistics.median(old))
+    margin = max(tolerance * abs(statistics.median(old)), LEAST_DIFFERENCE.get(metric, 0.0))
     if worse_by > spread and worse_by > margin:
         return "WORSE"
     if -worse_by > spread and -worse_by > margin:
