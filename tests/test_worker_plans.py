@@ -117,27 +117,45 @@ async def _scans_made(conn: psycopg.AsyncConnection[Any], call: str,
             for name, n in after.items() if n > before[name]}
 
 
-async def _plans(dsn: str) -> dict[str, set[tuple[str, str | None]]]:
+async def _explained(conn: psycopg.AsyncConnection[Any], running: list[ClaimedRun],
+                     worker: uuid.UUID) -> dict[str, dict[str, Any]]:
     """Each statement's generic plan, as a worker's session prepares it (runpool.trips),
-    executed in a transaction rolled back."""
+    executed (EXPLAIN ANALYZE) in a transaction rolled back."""
+    literal = psycopg.AsyncClientCursor(conn)
+    plans = {}
+    for name, (query, params) in _statements(running, worker).items():
+        sql, names = prepared_sql(query)
+        await conn.execute("PREPARE " + name + " AS " + sql)
+        args = ", ".join(["%s"] * len(names))
+        execute = literal.mogrify(f"EXECUTE {name}({args})", [params[n] for n in names])
+        async with conn.transaction(force_rollback=True):
+            cur = await conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + execute)
+            row = await cur.fetchone()
+        assert row is not None
+        plans[name] = row[0][0]["Plan"]
+        await conn.execute("DEALLOCATE " + name)
+    return plans
+
+
+async def _claimed(conn: psycopg.AsyncConnection[Any], n: int) -> tuple[list[ClaimedRun],
+                                                                         uuid.UUID]:
+    await conn.execute(WORKER_SESSION)
+    worker = uuid.uuid4()
+    running: list[ClaimedRun] = []
+    while len(running) < n:
+        running += await claim(conn, limit=min(n - len(running), 500), worker_id=worker,
+                               lease_seconds=60, reap_expired=False, handlers=["noop"],
+                               no_jit=False)
+    return running, worker
+
+
+async def _plans(dsn: str) -> dict[str, set[tuple[str, str | None]]]:
+    """What each statement read of runs: the scans of its plan, or of a PL/pgSQL call its
+    index scans counted."""
     async with await aconnect(dsn, autocommit=True) as conn:
-        await conn.execute(WORKER_SESSION)
-        worker = uuid.uuid4()
-        running = await claim(conn, limit=10, worker_id=worker, lease_seconds=60,
-                              reap_expired=False, handlers=["noop"], no_jit=False)
-        assert len(running) == 10
-        literal = psycopg.AsyncClientCursor(conn)
-        plans = {}
-        for name, (query, params) in _statements(running, worker).items():
-            sql, names = prepared_sql(query)
-            await conn.execute("PREPARE " + name + " AS " + sql)
-            args = ", ".join(["%s"] * len(names))
-            execute = literal.mogrify(f"EXECUTE {name}({args})", [params[n] for n in names])
-            async with conn.transaction(force_rollback=True):
-                cur = await conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + execute)
-                row = await cur.fetchone()
-            assert row is not None
-            plans[name] = set(_scans(row[0][0]["Plan"]))
+        running, worker = await _claimed(conn, 10)
+        plans = {name: set(_scans(plan))
+                 for name, plan in (await _explained(conn, running, worker)).items()}
         one = running[0]
         await conn.execute(ANSWERED, {"id": one.id, "attempt": one.attempt})
         params = {"ids": [r.id for r in running], "attempts": [r.attempt for r in running],
@@ -164,3 +182,31 @@ def test_a_worker_reads_given_runs_through_the_primary_key_only(
     wrong = {name: scans for name, scans in plans.items()
              if not scans or {index for _, index in scans} != {"runs_pkey"}}
     assert not wrong, wrong
+
+
+def _work(plan: dict[str, Any]) -> int:
+    """The rows a plan's nodes produced and threw away, over all their loops."""
+    loops = int(plan.get("Actual Loops", 1))
+    rows = int(plan.get("Actual Rows", 0)) + sum(
+        int(plan.get(key, 0)) for key in ("Rows Removed by Filter", "Rows Removed by Join Filter",
+                                     "Rows Removed by Index Recheck"))
+    return rows * loops + sum(_work(child) for child in plan.get("Plans", []))
+
+
+def test_a_worker_statement_about_many_runs_does_work_linear_in_them(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A generic plan cannot tell how many runs a statement is given, and takes them for a
+    few: joined to each other as a nested loop, two lists of a worker's 1,000 runs compared
+    every pair. The heartbeat did (~500,000 rows thrown away, ~100 ms a beat with every run's
+    row locked, every checkpoint write to them waiting: W11's tool call p99)."""
+    n = 1000
+    runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop") for _ in range(3 * n)])
+
+    async def explained() -> dict[str, dict[str, Any]]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            running, worker = await _claimed(c, n)
+            return await _explained(c, running, worker)
+
+    work = {name: _work(plan) for name, plan in asyncio.run(explained()).items()}
+    assert work["heartbeat"] >= n  # it did renew them
+    assert not {name: rows for name, rows in work.items() if rows > 40 * n}, work
