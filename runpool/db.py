@@ -95,13 +95,21 @@ SELECT set_config('default_transaction_isolation', 'read committed', false),
 # - plans its prepared statements once (psycopg prepares a statement on its fifth run): the
 #   claim's statements are index probes whose shape no parameter changes, and planning them
 #   anew each time cost more than running them (W1 2,000-2,300 -> 2,600-3,000 runs/s).
-#   Functions that need plans per call say so in their own SET clause (see 0006).
+#   Functions that need plans per call say so in their own SET clause (see 0006);
+# - never plans a sequential scan of a table it can read through an index. A generic plan is
+#   made once, on the table as it is then, and kept until the table's statistics change: a
+#   worker started on an empty queue planned its statements about given runs as a sequential
+#   scan of a few pages, and kept scanning the whole table as it grew (where autovacuum's
+#   ANALYZE does not come, or not yet: W11 on a server without it, every outcome batch read
+#   all 5,000 runs, 3.6 ms; tests/test_worker_plans.py). A worker's statements read rows by
+#   key or by an index's order; a table without an index is still scanned.
 WORKER_SESSION: Final = """
 SELECT set_config('default_transaction_isolation', 'read committed', false),
        set_config('jit', 'off', false),
        set_config('idle_session_timeout', '0', false),
        set_config('runpool.session', 'worker', false),
-       set_config('plan_cache_mode', 'force_generic_plan', false)
+       set_config('plan_cache_mode', 'force_generic_plan', false),
+       set_config('enable_seqscan', 'off', false)
 """
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import psycopg
@@ -118,16 +118,26 @@ async def _scans_made(conn: psycopg.AsyncConnection[Any], call: str,
 
 
 async def _explained(conn: psycopg.AsyncConnection[Any], running: list[ClaimedRun],
-                     worker: uuid.UUID) -> dict[str, dict[str, Any]]:
+                     worker: uuid.UUID, grow: Callable[[], None] | None = None
+                     ) -> dict[str, dict[str, Any]]:
     """Each statement's generic plan, as a worker's session prepares it (runpool.trips),
-    executed (EXPLAIN ANALYZE) in a transaction rolled back."""
+    executed (EXPLAIN ANALYZE) in a transaction rolled back. `grow`: called after each
+    statement ran once (its generic plan made then, on the table as it was, and kept), before
+    it is explained."""
     literal = psycopg.AsyncClientCursor(conn)
-    plans = {}
+    executes = {}
     for name, (query, params) in _statements(running, worker).items():
         sql, names = prepared_sql(query)
         await conn.execute("PREPARE " + name + " AS " + sql)
         args = ", ".join(["%s"] * len(names))
-        execute = literal.mogrify(f"EXECUTE {name}({args})", [params[n] for n in names])
+        executes[name] = literal.mogrify(f"EXECUTE {name}({args})", [params[n] for n in names])
+        if grow is not None:
+            async with conn.transaction(force_rollback=True):
+                await conn.execute(executes[name])
+    if grow is not None:
+        await asyncio.to_thread(grow)
+    plans = {}
+    for name, execute in executes.items():
         async with conn.transaction(force_rollback=True):
             cur = await conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + execute)
             row = await cur.fetchone()
@@ -149,13 +159,14 @@ async def _claimed(conn: psycopg.AsyncConnection[Any], n: int) -> tuple[list[Cla
     return running, worker
 
 
-async def _plans(dsn: str) -> dict[str, set[tuple[str, str | None]]]:
+async def _plans(dsn: str, grow: Callable[[], None] | None = None
+                 ) -> dict[str, set[tuple[str, str | None]]]:
     """What each statement read of runs: the scans of its plan, or of a PL/pgSQL call its
     index scans counted."""
     async with await aconnect(dsn, autocommit=True) as conn:
         running, worker = await _claimed(conn, 10)
         plans = {name: set(_scans(plan))
-                 for name, plan in (await _explained(conn, running, worker)).items()}
+                 for name, plan in (await _explained(conn, running, worker, grow)).items()}
         one = running[0]
         await conn.execute(ANSWERED, {"id": one.id, "attempt": one.attempt})
         params = {"ids": [r.id for r in running], "attempts": [r.attempt for r in running],
@@ -168,17 +179,27 @@ async def _plans(dsn: str) -> dict[str, set[tuple[str, str | None]]]:
 
 # (A table of a few dozen rows is read whole: its plan is made again once autovacuum's
 # ANALYZE sees it grow, which invalidates the session's prepared statements.)
-@pytest.mark.parametrize("stats", ["bulk_queued", "none"])
+@pytest.mark.parametrize("stats", ["bulk_queued", "none", "planned_small"])
 def test_a_worker_reads_given_runs_through_the_primary_key_only(
         conn: psycopg.Connection[Any], dsn: str, stats: str) -> None:
     conn.execute("ALTER TABLE runpool.runs SET (autovacuum_enabled = off)")
-    runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop") for _ in range(12_000)])
-    if stats != "none":
-        # Statistics from when every run was queued, as autovacuum's first pass over a bulk
-        # load leaves them: `running` looks empty, so its partial indexes look free to scan.
-        conn.execute("ANALYZE runpool.runs")
-    conn.commit()
-    plans = asyncio.run(_plans(dsn))
+
+    def grow() -> None:
+        runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop") for _ in range(12_000)])
+
+    if stats == "planned_small":
+        # A worker started on an empty queue: its plans made on a table of a few runs, kept
+        # as it grows (no ANALYZE comes to change them).
+        runpool.enqueue_many(conn, [runpool.RunSpec("acme", "noop") for _ in range(10)])
+        plans = asyncio.run(_plans(dsn, grow))
+    else:
+        grow()
+        if stats == "bulk_queued":
+            # Statistics from when every run was queued, as autovacuum's first pass over a
+            # bulk load leaves them: `running` looks empty, so its partial indexes look free
+            # to scan.
+            conn.execute("ANALYZE runpool.runs")
+        plans = asyncio.run(_plans(dsn))
     wrong = {name: scans for name, scans in plans.items()
              if not scans or {index for _, index in scans} != {"runs_pkey"}}
     assert not wrong, wrong
