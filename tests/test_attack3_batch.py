@@ -11,7 +11,7 @@ import orjson
 import psycopg
 
 import checkpoints
-from runpool.commits import MAX_BATCH, MAX_INFLIGHT, CommitGroup
+from runpool.commits import MAX_ALONE, MAX_BATCH, MAX_INFLIGHT, CommitGroup
 from runpool.db import connect, jsonb, open_pool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.waits import signal_run
@@ -86,9 +86,9 @@ def test_a_tool_returning_none_does_not_roll_back_the_batch_it_is_in(dsn: str) -
         assert conn.execute("SELECT result = %s::jsonb FROM runpool.tool_calls"
                             " WHERE run_id = %s", (orjson.dumps(values[-1]).decode(), ids[-1])
                             ).fetchone() == (True,)
-    # The writes past the first MAX_INFLIGHT went in batches: every one of them carried by a
-    # batch statement (none rolled back and sent again one by one).
-    assert group.pipelined == N - MAX_INFLIGHT, (group.writes, group.pipelined,
+    # Every write was carried by a batch statement (the first MAX_INFLIGHT in batches of their
+    # own; none rolled back and sent again one by one).
+    assert group.pipelined == N, (group.writes, group.pipelined,
                                                  group.statements, group.commits)
 
 
@@ -124,6 +124,49 @@ def test_a_tenant_holding_its_own_run_row_does_not_fail_other_tenants_writes(dsn
         hostile.rollback()
     acme = [o for i, o in zip(ids, out, strict=True) if i != evil]
     assert all(isinstance(o, int) for o in acme), [type(o).__name__ for o in out]
+
+
+def test_tenants_holding_their_own_run_rows_do_not_hold_up_other_tenants_writes(
+        dsn: str) -> None:
+    """More tenants than the group has lanes ("evil" 0..4) each signal their own running run in
+    a transaction they keep open, and write to it first: a write that went alone at once, as
+    its single statement, waited for its row in a lane of the batches, and with every lane
+    taken acme's writes behind them waited as long. Expected: acme's writes land while the
+    evil transactions are still open (the evil ones wait in lanes of their own)."""
+    evil = [_held(dsn, 1, f"evil{i}")[0] for i in range(MAX_INFLIGHT + MAX_ALONE + 1)]
+    acme = _held(dsn, N, "acme")
+    hostile = [connect(dsn) for _ in evil]  # transactions left open (not autocommit)
+    try:
+        for conn, run_id in zip(hostile, evil, strict=True):
+            tenant = conn.execute("SELECT tenant FROM runpool.runs WHERE id = %s",
+                                  (run_id,)).fetchone()
+            assert tenant is not None
+            assert signal_run(conn, run_id, "poke", tenant=tenant[0]) == "stored"
+
+        async def writes() -> list[Any]:
+            pool = await open_pool(dsn, size=MAX_INFLIGHT + MAX_ALONE + 1, name="attack3-batch")
+            try:
+                group = CommitGroup(pool)
+                held = [asyncio.ensure_future(group.write(_op(w), 60, what="test", statement=w))
+                        for w in _messages(evil)]
+                await asyncio.sleep(0)  # the evil writes are sent first
+                try:
+                    return list(await asyncio.wait_for(asyncio.gather(*(
+                        group.write(_op(w), 60, what="test", statement=w)
+                        for w in _messages(acme))), 20))
+                finally:
+                    for task in held:
+                        task.cancel()
+                    await asyncio.gather(*held, return_exceptions=True)
+            finally:
+                await pool.close()
+
+        out = asyncio.run(writes())
+    finally:
+        for conn in hostile:
+            conn.rollback()
+            conn.close()
+    assert all(isinstance(o, int) for o in out), out
 
 
 def _peak_mb(dsn: str) -> dict[int, int]:
