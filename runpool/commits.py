@@ -3,9 +3,9 @@ share one transaction, so thousands of runs in flight cost a commit per batch, n
 
 A write is `op(conn, try_number)`, one fenced statement of runpool.checkpoints (safe to
 repeat: a later try reads back what an earlier one committed). While fewer than MAX_INFLIGHT
-batches are in flight a write goes at once, a batch of its own; past that, the writes arriving
-meanwhile wait and go together in the next batch. In a batch each run's write is its own
-statement in the shared transaction:
+batches are in flight a write goes at once, alone and in autocommit, exactly as it would
+without this module; past that, the writes arriving meanwhile wait and go together in the next
+batch. In a batch each run's write is its own statement in the shared transaction:
 
 - a write refused without an error (a lost lease, a call id reused) is answered at once and
   leaves the transaction intact;
@@ -28,10 +28,7 @@ COMMIT behind one Sync, one round trip (three before: BEGIN, the pipeline, COMMI
 answers are read after the commit (W11cpu: ~27 writes a batch, three statements). A batch
 statement carries at most MAX_BATCH_BYTES of JSON (more goes in further statements of its
 kind), and skips a run row another transaction holds: that write, unanswered, goes again in a
-batch of its own (its single statement waits for the row; only it waits), in one of
-MAX_ALONE lanes of their own. A write alone at once goes as its batch form too: no batch lane
-ever waits for a row lock, so no tenant holding its own runs' rows open (signal_run in a
-transaction left open) holds up another tenant's writes.
+batch of its own (its single statement waits for the row; only it waits).
 
 The writes of one run are serialised by the run (Run._write_lock): a run is in at most one
 batch at a time, and a batch's row locks are of distinct runs, so batches never wait for each
@@ -51,7 +48,7 @@ from psycopg import pq
 from psycopg_pool import AsyncConnectionPool
 
 from .db import one_trip
-from .deadlines import again, bounded
+from .deadlines import again, bounded, transient
 
 __all__ = ["CommitGroup", "Statement"]
 
@@ -77,15 +74,8 @@ class Statement(Protocol):
 
 # Batches in flight at once before writes start to wait and group: few enough that a loaded
 # worker's writes batch (W11: 2,000 runs in flight), and a pool's other users (claims,
-# heartbeats, outcomes) keep connections. Two, not four: each batch costs the server a fixed
-# share (its statements' start, its commit) whatever its size, and on a busy machine that
-# share is what the writes wait for (W11 at 2 x 1,000, alternated: tool call p50 22-25 /
-# 37-51 / 67-73 ms and p99 204-237 / 391-457 / 449-626 ms with 2 / 4 / 8).
-MAX_INFLIGHT: Final = 2
-# Writes in flight at once that wait for a run row another transaction holds (a batch
-# statement skipped them): in lanes of their own, so that they hold up no batch, and few, so
-# that rows held open (a tenant's own, on purpose) cannot take the pool's connections.
-MAX_ALONE: Final = 2
+# heartbeats, outcomes) keep connections.
+MAX_INFLIGHT: Final = 4
 # The most writes in one transaction: each holds its run's row (share-locked by the fence)
 # until the commit, and a heartbeat skips a locked row, so a batch is kept short.
 MAX_BATCH: Final = 64
@@ -120,9 +110,6 @@ class CommitGroup:
         self._pool = pool
         self._queue: deque[_Write] = deque()
         self._inflight = 0
-        # The writes to go alone (their rows held), and how many of them are in flight.
-        self._waiting: deque[_Write] = deque()
-        self._alone_inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         # Commits made, writes they carried, of those the ones sent in a pipeline, and the
         # statements those were sent as (a batch statement carries many runs' writes).
@@ -149,40 +136,35 @@ class CommitGroup:
         return await again(once, seconds, what=what, log=log)
 
     def _kick(self) -> None:
-        while self._waiting and self._alone_inflight < MAX_ALONE:
-            w = self._waiting.popleft()
-            if not w.done.done():  # else its caller gave up (cancelled): never sent
-                self._alone_inflight += 1
-                self._start([w], alone=True)
         while self._queue and self._inflight < MAX_INFLIGHT:
             batch: list[_Write] = []
             while self._queue and len(batch) < MAX_BATCH:
                 w = self._queue.popleft()
-                if not w.done.done():
-                    batch.append(w)
+                if w.done.done():  # its caller gave up (cancelled): never sent
+                    continue
+                if w.alone and batch:
+                    self._queue.appendleft(w)
+                    break
+                batch.append(w)
+                if w.alone:
+                    break
             if not batch:
                 return
             self._inflight += 1
-            self._start(batch, alone=False)
+            task = asyncio.get_running_loop().create_task(self._flush(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._flushed)
 
-    def _start(self, batch: list[_Write], *, alone: bool) -> None:
-        task = asyncio.get_running_loop().create_task(self._flush(batch))
-        self._tasks.add(task)
-        task.add_done_callback(lambda t: self._flushed(t, alone))
-
-    def _flushed(self, task: asyncio.Task[None], alone: bool) -> None:
+    def _flushed(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if alone:
-            self._alone_inflight -= 1
-        else:
-            self._inflight -= 1
+        self._inflight -= 1
         self._kick()
 
     async def _flush(self, batch: list[_Write]) -> None:
         loop = asyncio.get_running_loop()
         left = max(min(w.deadline for w in batch) - loop.time(), 0.001)
         try:
-            if len(batch) == 1 and batch[0].statement is None:
+            if len(batch) == 1:
                 await self._alone(batch[0], left)
             else:
                 await self._together(batch, left)
@@ -251,11 +233,8 @@ class CommitGroup:
         self._requeue(batch)  # those a batch statement skipped, to go alone
 
     def _requeue(self, batch: list[_Write]) -> None:
-        """The writes of a batch not answered yet (it was rolled back, or its batch statement
-        skipped them), first in the queue again; those skipped, to go alone."""
-        left = [w for w in batch if not w.done.done()]
-        self._waiting.extend(w for w in left if w.alone)
-        self._queue.extendleft(reversed([w for w in left if not w.alone]))
+        """The writes of a rolled-back batch not answered yet, first in the queue again."""
+        self._queue.extendleft(reversed([w for w in batch if not w.done.done()]))
 
     async def _one_trip(self, batch: list[_Write], seconds: float) -> None:
         """A batch of first tries (each a Statement) in one round trip: BEGIN, its statements
@@ -267,9 +246,12 @@ class CommitGroup:
                 async with one_trip(conn):
                     for kind in _kinds(batch):
                         sent.append((kind, await _send(conn, kind)))
-            except psycopg.Error:
-                if conn.broken or conn.closed:
-                    raise  # the connection itself: every write is answered with it
+            except psycopg.Error as exc:
+                if not _refused(conn, exc):
+                    # The connection itself, and the COMMIT may have been carried out: every
+                    # write is answered with it, and repeated on its try count (read back
+                    # first), never sent again as a first try.
+                    raise
                 await _discard(conn)
                 for w in batch:
                     w.statement = None
@@ -314,6 +296,19 @@ class CommitGroup:
 
 
 _NONE: Final = object()
+
+
+def _refused(conn: psycopg.AsyncConnection[Any], exc: psycopg.Error) -> bool:
+    """Did the database refuse a statement of a batch sent with its COMMIT (the transaction
+    rolled back: nothing of it committed, so its writes may go again as first tries)? Only an
+    error the server sent, with its SQLSTATE, that repeating would not cure, on a connection
+    still up. Anything else may have come after the COMMIT was carried out: a connection cut
+    mid-trip surfaced once as "cannot exit pipeline mode while busy" (no SQLSTATE, the
+    connection not yet marked broken), and the batch, committed, went again as first tries:
+    its messages stored twice (an attack on session 7's change: 2 of 3 runs of 1,000 writes
+    with a backend terminated every 150 ms)."""
+    return (not (conn.broken or conn.closed) and exc.sqlstate is not None
+            and not transient(exc))
 
 
 async def _discard(conn: psycopg.AsyncConnection[Any]) -> None:

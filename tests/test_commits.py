@@ -12,8 +12,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 import runpool
-from runpool.commits import MAX_INFLIGHT, CommitGroup
-from runpool.db import connect, open_pool
+from runpool.commits import MAX_INFLIGHT, CommitGroup, _refused
+from runpool.db import aconnect, connect, open_pool
 from runpool.errors import LeaseLost
 from tests.helpers import running_pool, scalar, wait_for
 
@@ -197,9 +197,42 @@ def test_commit_group__statements_go_in_one_pipeline_and_a_failing_one_still_fai
 
     out, pipelined, commits = asyncio.run(main(range(80)))
     _only_30_and_40_failed(dsn, out)
-    # Without a failing statement: the first MAX_INFLIGHT writes go at once, each a batch of
-    # its own, the others wait and go in batches, each batch one pipeline.
+    # Without a failing statement: the first MAX_INFLIGHT writes go alone at once, the others
+    # wait and go in batches, each batch one pipeline.
     out, pipelined, commits = asyncio.run(main(range(100, 180)))
     assert out == list(range(100, 180))
-    assert pipelined == 80
+    assert pipelined == 80 - MAX_INFLIGHT
     assert commits < 80
+
+
+def test_a_batch_goes_again_as_first_tries_only_when_the_database_refused_a_statement(
+        dsn: str) -> None:
+    """A batch sent with its COMMIT that fails goes again as first tries (no read-back) only if
+    nothing of it can have been committed: the server refused one of its statements. A cut
+    connection, or an error without SQLSTATE on a connection not yet marked broken (a cut
+    once surfaced as "cannot exit pipeline mode while busy", after the COMMIT: the batch's
+    messages were stored twice), is answered to each write, which is repeated reading back
+    first."""
+    async def main() -> list[bool]:
+        seen: list[bool] = []
+        async with await aconnect(dsn, autocommit=True) as conn, \
+                await aconnect(dsn, autocommit=True) as other:
+            try:
+                await conn.execute("SELECT %s::text::jsonb", ['"\\u0000"'])
+            except psycopg.Error as exc:
+                seen.append(_refused(conn, exc))  # refused: its data
+            try:
+                await conn.execute("SELECT 1 / (SELECT count(*) FROM pg_class WHERE false)")
+            except psycopg.Error as exc:
+                seen.append(_refused(conn, exc))  # refused: the statement
+            seen.append(_refused(conn, psycopg.OperationalError(
+                "cannot exit pipeline mode while busy")))
+            pid = (await (await conn.execute("SELECT pg_backend_pid()")).fetchall())[0][0]
+            await other.execute("SELECT pg_terminate_backend(%s)", [pid])
+            try:
+                await conn.execute("SELECT 1")
+            except psycopg.Error as exc:
+                seen.append(_refused(conn, exc))  # cut
+        return seen
+
+    assert asyncio.run(main()) == [True, True, False, False]
