@@ -247,12 +247,15 @@ class CommitGroup:
                     for kind in _kinds(batch):
                         sent.append((kind, await _send(conn, kind)))
             except psycopg.Error as exc:
-                if not _refused(conn, exc):
+                refused = _refused(conn, exc)
+                # Its pipeline failed: the connection is not trusted again, whichever way (one
+                # that failed without being marked broken may still hold unread results).
+                await _discard(conn)
+                if not refused:
                     # The connection itself, and the COMMIT may have been carried out: every
                     # write is answered with it, and repeated on its try count (read back
                     # first), never sent again as a first try.
                     raise
-                await _discard(conn)
                 for w in batch:
                     w.statement = None
                 self._requeue(batch)
