@@ -248,14 +248,9 @@ class CommitGroup:
                         sent.append((kind, await _send(conn, kind)))
             except psycopg.Error as exc:
                 refused = _refused(conn, exc)
-                # Its pipeline failed: the connection is not trusted again, whichever way (one
-                # that failed without being marked broken may still hold unread results).
-                await _discard(conn)
+                await _discard(conn)  # may hold unread results if not marked broken
                 if not refused:
-                    # The connection itself, and the COMMIT may have been carried out: every
-                    # write is answered with it, and repeated on its try count (read back
-                    # first), never sent again as a first try.
-                    raise
+                    raise  # each write answered with it, repeated reading back first
                 for w in batch:
                     w.statement = None
                 self._requeue(batch)
@@ -302,14 +297,10 @@ _NONE: Final = object()
 
 
 def _refused(conn: psycopg.AsyncConnection[Any], exc: psycopg.Error) -> bool:
-    """Did the database refuse a statement of a batch sent with its COMMIT (the transaction
-    rolled back: nothing of it committed, so its writes may go again as first tries)? Only an
-    error the server sent, with its SQLSTATE, that repeating would not cure, on a connection
-    still up. Anything else may have come after the COMMIT was carried out: a connection cut
-    mid-trip surfaced once as "cannot exit pipeline mode while busy" (no SQLSTATE, the
-    connection not yet marked broken), and the batch, committed, went again as first tries:
-    its messages stored twice (an attack on session 7's change: 2 of 3 runs of 1,000 writes
-    with a backend terminated every 150 ms)."""
+    """Did the server refuse a statement of a batch sent with its COMMIT (nothing committed:
+    its writes may go again as first tries)? Anything else may come after the COMMIT: a cut
+    once surfaced as "cannot exit pipeline mode while busy" (no SQLSTATE, the connection not
+    marked broken), and the committed batch, sent again, stored its messages twice."""
     return (not (conn.broken or conn.closed) and exc.sqlstate is not None
             and not transient(exc))
 
