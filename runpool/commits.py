@@ -250,7 +250,9 @@ class CommitGroup:
                 refused = _refused(conn, exc)
                 await _discard(conn)  # may hold unread results if not marked broken
                 if not refused:
-                    raise  # each write answered with it, repeated reading back first
+                    # Each write answered with it and repeated, reading back first: even one
+                    # write's bad data seen as the connection broke must not end the others.
+                    raise _transiently(exc) from None
                 for w in batch:
                     w.statement = None
                 self._requeue(batch)
@@ -321,9 +323,14 @@ def _unprepared(exc: BaseException | None) -> bool:
 
 
 def _retryable(exc: Exception) -> Exception:
-    """A write's error as its caller gets it: _unprepared as transient (an OperationalError
-    without SQLSTATE), so the write is repeated on another connection (this one is closed)."""
-    if not _unprepared(exc):
+    """A write's error as its caller gets it: _unprepared as transient, so the write is
+    repeated on another connection (this one is closed)."""
+    return _transiently(exc) if _unprepared(exc) else exc
+
+
+def _transiently(exc: Exception) -> Exception:
+    """`exc` as an error `again` repeats (an OperationalError without SQLSTATE)."""
+    if transient(exc):
         return exc
     retry = psycopg.OperationalError(f"connection closed after: {exc}")
     retry.__cause__ = exc

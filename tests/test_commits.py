@@ -12,8 +12,9 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 import runpool
-from runpool.commits import MAX_INFLIGHT, CommitGroup, _refused
+from runpool.commits import MAX_INFLIGHT, CommitGroup, _refused, _transiently
 from runpool.db import aconnect, connect, open_pool
+from runpool.deadlines import transient
 from runpool.errors import LeaseLost
 from tests.helpers import running_pool, scalar, wait_for
 
@@ -236,3 +237,8 @@ def test_a_batch_goes_again_as_first_tries_only_when_the_database_refused_a_stat
         return seen
 
     assert asyncio.run(main()) == [True, True, False, False]
+    # Not refused, the error goes to every write of the batch as one each repeats: one
+    # write's bad data, seen as the connection was cut, once failed its batch's other writes
+    # for good.
+    bad_data = psycopg.errors.UntranslatableCharacter("unsupported Unicode escape sequence")
+    assert transient(_transiently(bad_data)) and _transiently(bad_data).__cause__ is bad_data
