@@ -153,9 +153,11 @@ async def _claimed(conn: psycopg.AsyncConnection[Any], n: int) -> tuple[list[Cla
     worker = uuid.uuid4()
     running: list[ClaimedRun] = []
     while len(running) < n:
-        running += await claim(conn, limit=min(n - len(running), 500), worker_id=worker,
-                               lease_seconds=60, reap_expired=False, handlers=["noop"],
-                               no_jit=False)
+        more = await claim(conn, limit=min(n - len(running), 500), worker_id=worker,
+                           lease_seconds=60, reap_expired=False, handlers=["noop"],
+                           no_jit=False)
+        assert more, f"only {len(running)} of {n} runs to claim"
+        running += more
     return running, worker
 
 
