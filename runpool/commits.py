@@ -252,7 +252,10 @@ class CommitGroup:
                 if not refused:
                     # Each write answered with it and repeated, reading back first: even one
                     # write's bad data seen as the connection broke must not end the others.
-                    raise _transiently(exc)  # its __cause__: the original error
+                    retry = _transiently(exc)
+                    if retry is exc:
+                        raise
+                    raise retry from exc
                 for w in batch:
                     w.statement = None
                 self._requeue(batch)
