@@ -3,9 +3,10 @@ share one transaction, so thousands of runs in flight cost a commit per batch, n
 
 A write is `op(conn, try_number)`, one fenced statement of runpool.checkpoints (safe to
 repeat: a later try reads back what an earlier one committed). While fewer than MAX_INFLIGHT
-batches are in flight a write goes at once, alone and in autocommit, exactly as it would
-without this module; past that, the writes arriving meanwhile wait and go together in the next
-batch. In a batch each run's write is its own statement in the shared transaction:
+batches are in flight a write goes at once, alone (its batch statement on its own, in
+autocommit: one statement, as it would go without this module); past that, the writes
+arriving meanwhile wait and go together in the next batch. In a batch each run's write is its
+own statement in the shared transaction:
 
 - a write refused without an error (a lost lease, a call id reused) is answered at once and
   leaves the transaction intact;
@@ -14,6 +15,15 @@ batch. In a batch each run's write is its own statement in the shared transactio
   (rolled back, so nothing of theirs was committed either);
 - a connection or commit that fails transiently answers every write of the batch with that
   error, and each is repeated by `again` on its try count (it may have committed).
+
+No write waits for a row lock in a batch lane: a write whose run row another transaction
+holds (a heartbeat for a moment; a tenant's own transaction on its run, left open) is skipped
+by its batch statement (up to MAX_SKIPS times, pausing between), or stopped at LOCK_TIMEOUT,
+and goes on alone in a waiting lane (MAX_WAITING), where a lock still held answers it with
+DatabaseTimeout, which its caller repeats after a pause: it polls for the row without holding
+any lane, until its deadline.
+Repeats (which first wait for their earlier try) go in the waiting lanes too. So no tenant's
+held rows slow another tenant's writes.
 
 A write given as a Statement (one statement, then what makes its answer of the returned row:
 checkpoints.Statement) is sent with the batch's other statements at once, in a pipeline, and
@@ -27,8 +37,8 @@ first tries is BEGIN, a statement per kind (a message, a tool call's start, its 
 COMMIT behind one Sync, one round trip (three before: BEGIN, the pipeline, COMMIT); their
 answers are read after the commit (W11cpu: ~27 writes a batch, three statements). A batch
 statement carries at most MAX_BATCH_BYTES of JSON (more goes in further statements of its
-kind), and skips a run row another transaction holds: that write, unanswered, goes again in a
-batch of its own (its single statement waits for the row; only it waits).
+kind), and skips a run row another transaction holds: that write, unanswered, goes again in
+a later batch after a pause, and alone in a waiting lane (above) if its row stays held.
 
 The writes of one run are serialised by the run (Run._write_lock): a run is in at most one
 batch at a time, and a batch's row locks are of distinct runs, so batches never wait for each
@@ -39,66 +49,43 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final
 
 import psycopg
 from psycopg import pq
 from psycopg_pool import AsyncConnectionPool
 
+from .batch_sends import Op, Statement, Write, answer, answers, kinds, send
 from .db import one_trip
-from .deadlines import again, bounded, transient
+from .deadlines import again, bounded
+from .lane_locks import (
+    discard,
+    locked,
+    locking_briefly,
+    refused,
+    retryable,
+    transiently,
+    unprepared,
+)
 
 __all__ = ["CommitGroup", "Statement"]
 
-T = TypeVar("T")
-Op = Callable[[psycopg.AsyncConnection[Any], int], Awaitable[Any]]
-
-
-class Statement(Protocol):
-    """A write as one statement and what makes its answer of the row it returned (the shape
-    of checkpoints.Statement)."""
-
-    @property
-    def query(self) -> str: ...
-    @property
-    def params(self) -> dict[str, Any]: ...
-    @property
-    def answer(self) -> Callable[[psycopg.AsyncConnection[Any], Any], Awaitable[Any]]: ...
-    @property
-    def batch(self) -> str | None: ...
-    @property
-    def row(self) -> bytes: ...
-    def batch_params(self, rows: list[bytes]) -> dict[str, Any]: ...
 
 # Batches in flight at once before writes start to wait and group: few enough that a loaded
-# worker's writes batch (W11: 2,000 runs in flight), and a pool's other users (claims,
-# heartbeats, outcomes) keep connections.
-MAX_INFLIGHT: Final = 4
+# worker's writes batch (W11: 2,000 runs in flight; 4 lanes made batches of ~3 writes and
+# cost more server CPU per write, see README "Group commit"), and a pool's other users
+# (claims, heartbeats, outcomes) keep connections. Nothing in a lane waits for a row lock
+# another transaction holds (a batch statement skips the row, any other statement has
+# LOCK_TIMEOUT), so a tenant holding its own rows open cannot hold a lane.
+MAX_INFLIGHT: Final = 2
+# Lanes of the writes that may wait for a held row (those a batch skipped or a lock timed out,
+# and repeats, which first wait for their earlier try): each alone, in a transaction of its
+# own under LOCK_TIMEOUT; a lock still held sends the write back to its caller, which polls
+# (deadlines.again's backoff, up to 1 s) without holding a lane.
+MAX_WAITING: Final = 2
 # The most writes in one transaction: each holds its run's row (share-locked by the fence)
 # until the commit, and a heartbeat skips a locked row, so a batch is kept short.
 MAX_BATCH: Final = 64
-# The most JSON one batch statement carries: the server parses its array whole (and each
-# write's values again as its rows), so a batch of large writes (64 tool results of 1 MB:
-# ~520 MB in one backend) goes as several statements, each a bounded cost; a larger write
-# goes alone.
-MAX_BATCH_BYTES: Final = 4 << 20
-
-
-@dataclass(slots=True)
-class _Write:
-    op: Op
-    tries: int
-    deadline: float
-    done: asyncio.Future[Any]
-    # The write as a statement to pipeline (a first try only: a repeat reads back first).
-    statement: Statement | None
-    # In a batch of its own: a batch statement skipped it (its run row held by another
-    # transaction), so its single statement may wait, and would hold up a batch with it.
-    alone: bool = False
-
-
 class _Retry(Exception):
     """A statement of the batch failed: roll it back (the failed write has its answer)."""
 
@@ -108,8 +95,12 @@ class CommitGroup:
 
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self._pool = pool
-        self._queue: deque[_Write] = deque()
+        # First tries, batched in MAX_INFLIGHT lanes; and the writes that may wait for a held
+        # row, each alone in MAX_WAITING lanes of their own.
+        self._queue: deque[Write] = deque()
+        self._waiting: deque[Write] = deque()
         self._inflight = 0
+        self._inflight_waiting = 0
         self._tasks: set[asyncio.Task[None]] = set()
         # Commits made, writes they carried, of those the ones sent in a pipeline, and the
         # statements those were sent as (a batch statement carries many runs' writes).
@@ -128,77 +119,114 @@ class CommitGroup:
 
         async def once(tries: int) -> Any:
             done: asyncio.Future[Any] = loop.create_future()
-            self._queue.append(_Write(op, tries, deadline, done,
-                                      statement if tries == 0 else None))
+            # A repeat first waits for its earlier try (store.SETTLED): it may wait.
+            w = Write(op, tries, deadline, done, statement if tries == 0 else None,
+                       alone=tries > 0)
+            (self._waiting if w.alone else self._queue).append(w)
             self._kick()
             return await done
 
         return await again(once, seconds, what=what, log=log)
 
     def _kick(self) -> None:
+        while self._waiting and self._inflight_waiting < MAX_WAITING:
+            w = self._waiting.popleft()
+            if not w.done.done():  # its caller gave up (cancelled): never sent
+                self._start([w], waiting=True)
         while self._queue and self._inflight < MAX_INFLIGHT:
-            batch: list[_Write] = []
+            batch: list[Write] = []
             while self._queue and len(batch) < MAX_BATCH:
                 w = self._queue.popleft()
-                if w.done.done():  # its caller gave up (cancelled): never sent
-                    continue
-                if w.alone and batch:
-                    self._queue.appendleft(w)
-                    break
-                batch.append(w)
-                if w.alone:
-                    break
+                if not w.done.done():
+                    batch.append(w)
             if not batch:
                 return
-            self._inflight += 1
-            task = asyncio.get_running_loop().create_task(self._flush(batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._flushed)
+            self._start(batch, waiting=False)
 
-    def _flushed(self, task: asyncio.Task[None]) -> None:
+    def _start(self, batch: list[Write], *, waiting: bool) -> None:
+        if waiting:
+            self._inflight_waiting += 1
+        else:
+            self._inflight += 1
+        task = asyncio.get_running_loop().create_task(self._flush(batch, waiting))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._flushed(t, waiting))
+
+    def _flushed(self, task: asyncio.Task[None], waiting: bool) -> None:
         self._tasks.discard(task)
-        self._inflight -= 1
+        if waiting:
+            self._inflight_waiting -= 1
+        else:
+            self._inflight -= 1
         self._kick()
 
-    async def _flush(self, batch: list[_Write]) -> None:
+    async def _flush(self, batch: list[Write], waiting: bool) -> None:
         loop = asyncio.get_running_loop()
         left = max(min(w.deadline for w in batch) - loop.time(), 0.001)
         try:
-            if len(batch) == 1:
-                await self._alone(batch[0], left)
-            else:
+            if len(batch) > 1:
                 await self._together(batch, left)
+            elif not waiting and _batchable(batch[0].statement):
+                await self._single(batch[0], left)
+            else:
+                await self._alone(batch[0], left)
         except BaseException as exc:
             for w in batch:
-                _answer(w, exc=exc)
+                answer(w, exc=exc)
             if not isinstance(exc, Exception):
                 raise
 
-    async def _alone(self, w: _Write, seconds: float) -> None:
+    async def _single(self, w: Write, seconds: float) -> None:
+        """A first try alone: its batch statement (one row) on its own, in autocommit: one
+        statement and one round trip, as the write's single statement would be, but one that
+        skips its run row if another transaction holds it (the write then goes again after
+        a pause, see MAX_SKIPS) instead of waiting for it in a batch lane."""
+        kind = kinds([w])
+        results: list[tuple[Write, Any]] = []
         async with bounded(self._pool, seconds) as conn:
             try:
-                result = await w.op(conn, w.tries)
+                cur = await send(conn, kind[0])
+                self.statements += 1
+                await answers(conn, kind[0], cur, results)
             except Exception as exc:
-                _answer(w, exc=_retryable(exc))
-                if _unprepared(exc):
-                    await _discard(conn)
+                answer(w, exc=retryable(exc))
+                if unprepared(exc):
+                    await discard(conn)
+                return
+        if results:
+            self.commits += 1
+            self.writes += 1
+            answer(w, result=results[0][1])
+        self._requeue([w])  # skipped: again after a pause, or alone
+
+    async def _alone(self, w: Write, seconds: float) -> None:
+        """A write alone in a transaction of its own, waiting at most LOCK_TIMEOUT for a lock:
+        a lock still held answers it with an error its caller repeats (polling)."""
+        async with bounded(self._pool, seconds) as conn:
+            try:
+                async with locking_briefly(conn):
+                    result = await w.op(conn, w.tries)
+            except Exception as exc:
+                answer(w, exc=retryable(exc))
+                if unprepared(exc):
+                    await discard(conn)
                 return
         self.commits += 1
         self.writes += 1
-        _answer(w, result=result)
+        answer(w, result=result)
 
-    async def _together(self, batch: list[_Write], seconds: float) -> None:
+    async def _together(self, batch: list[Write], seconds: float) -> None:
         if all(w.statement is not None for w in batch):
             await self._one_trip(batch, seconds)
             return
-        results: list[tuple[_Write, Any]] = []
+        results: list[tuple[Write, Any]] = []
         piped = [w for w in batch if w.statement is not None]
         rest = [w for w in batch if w.statement is None] if len(piped) > 1 else batch
         piped_ok = 0
         failed = False
         async with bounded(self._pool, seconds) as conn:
             try:
-                async with conn.transaction():
+                async with locking_briefly(conn):
                     if len(piped) > 1:
                         failed = bool(await self._pipelined(conn, piped, results))
                         if failed:
@@ -212,47 +240,66 @@ class CommitGroup:
                         except psycopg.Error as exc:
                             if conn.info.transaction_status != pq.TransactionStatus.INERROR:
                                 raise  # the connection itself: every write is answered with it
-                            _answer(w, exc=_retryable(exc))
+                            if locked(exc):
+                                w.alone = True  # from now on in a waiting lane
+                            else:
+                                answer(w, exc=retryable(exc))
                             raise _Retry from exc
                         except Exception as exc:
                             # Refused without an error (LeaseLost, CallMismatch): nothing
                             # written.
-                            _answer(w, exc=exc)
+                            answer(w, exc=exc)
             except _Retry as exc:
                 # Rolled back: every write of the batch not answered yet goes again (the
                 # pipelined ones one by one), not only those of the failed statement.
-                if failed or _unprepared(exc.__cause__):
-                    await _discard(conn)  # its pipeline failed, or its prepared statements
+                if failed or unprepared(exc.__cause__):
+                    await discard(conn)  # its pipeline failed, or its prepared statements
                 self._requeue(batch)
                 return
         self.commits += 1
         self.writes += len(results)
         self.pipelined += piped_ok
         for w, result in results:
-            _answer(w, result=result)
-        self._requeue(batch)  # those a batch statement skipped, to go alone
+            answer(w, result=result)
+        self._requeue(batch)  # those a batch statement skipped: again after a pause, or alone
 
-    def _requeue(self, batch: list[_Write]) -> None:
-        """The writes of a rolled-back batch not answered yet, first in the queue again."""
-        self._queue.extendleft(reversed([w for w in batch if not w.done.done()]))
+    def _requeue(self, batch: list[Write]) -> None:
+        """The writes of a batch not answered yet (rolled back, or skipped), first in their
+        queue again: those that may wait for a held row (alone) in the waiting lanes', and
+        those a batch statement skipped after their pause."""
+        left = [w for w in batch if not w.done.done()]
+        self._waiting.extendleft(reversed([w for w in left if w.alone]))
+        self._queue.extendleft(reversed([w for w in left if not w.alone and not w.pause]))
+        loop = asyncio.get_running_loop()
+        for w in left:
+            if w.pause and not w.alone:
+                loop.call_later(w.pause, self._resume, w)
+                w.pause = 0.0
 
-    async def _one_trip(self, batch: list[_Write], seconds: float) -> None:
+    def _resume(self, w: Write) -> None:
+        self._queue.append(w)
+        self._kick()
+
+    async def _one_trip(self, batch: list[Write], seconds: float) -> None:
         """A batch of first tries (each a Statement) in one round trip: BEGIN, its statements
         (a batch statement per kind) and COMMIT behind one Sync, then their answers read.
         If the database failed one, nothing was committed: the writes go again one by one."""
         async with bounded(self._pool, seconds) as conn:
-            sent: list[tuple[list[tuple[_Write, Statement]], psycopg.AsyncCursor[Any]]] = []
+            sent: list[tuple[list[tuple[Write, Statement]], psycopg.AsyncCursor[Any]]] = []
             try:
+                # No LOCK_TIMEOUT: a batch statement skips a held run row, and the rows it
+                # writes besides (a run's tool calls, messages, event counter) are locked
+                # only by transactions holding the run row.
                 async with one_trip(conn):
-                    for kind in _kinds(batch):
-                        sent.append((kind, await _send(conn, kind)))
+                    for kind in kinds(batch):
+                        sent.append((kind, await send(conn, kind)))
             except psycopg.Error as exc:
-                refused = _refused(conn, exc)
-                await _discard(conn)  # may hold unread results if not marked broken
-                if not refused:
+                was_refused = refused(conn, exc)
+                await discard(conn)  # may hold unread results if not marked broken
+                if not was_refused:
                     # Each write answered with it and repeated, reading back first: even one
                     # write's bad data seen as the connection broke must not end the others.
-                    retry = _transiently(exc)
+                    retry = transiently(exc)
                     if retry is exc:
                         raise
                     raise retry from exc
@@ -264,30 +311,30 @@ class CommitGroup:
             self.statements += len(sent)
             # Committed: the answers (reading back, or explaining, a write that wrote nothing
             # on this connection, after the commit: what they read no longer changes).
-            results: list[tuple[_Write, Any]] = []
+            results: list[tuple[Write, Any]] = []
             for kind, cur in sent:
-                await _answers(conn, kind, cur, results)
+                await answers(conn, kind, cur, results)
         self.writes += len(results)
         self.pipelined += len(results)
         for w, result in results:
-            _answer(w, result=result)
-        self._requeue(batch)  # those a batch statement skipped, to go alone
+            answer(w, result=result)
+        self._requeue(batch)  # those a batch statement skipped: again after a pause, or alone
 
-    async def _pipelined(self, conn: psycopg.AsyncConnection[Any], piped: list[_Write],
-                         results: list[tuple[_Write, Any]]) -> list[_Write]:
+    async def _pipelined(self, conn: psycopg.AsyncConnection[Any], piped: list[Write],
+                         results: list[tuple[Write, Any]]) -> list[Write]:
         """Send the statements at once, then read their answers into `results`. If the
         database failed one (in a pipeline, the error may surface at any of them): the writes
         to go again one by one, the batch to be rolled back."""
         try:
             async with conn.pipeline():
-                sent = [(kind, await _send(conn, kind)) for kind in _kinds(piped)]
+                sent = [(kind, await send(conn, kind)) for kind in kinds(piped)]
                 self.statements += len(sent)
                 for kind, cur in sent:
-                    await _answers(conn, kind, cur, results)
+                    await answers(conn, kind, cur, results)
         except psycopg.Error:
             if conn.broken or conn.closed:
                 raise  # the connection itself: every write is answered with it
-            again: list[_Write] = []
+            again: list[Write] = []
             # Every one not answered yet: the error may have surfaced while sending (a
             # pipeline reads results as it goes), before some were sent.
             for w in piped:
@@ -298,120 +345,5 @@ class CommitGroup:
         return []
 
 
-_NONE: Final = object()
-
-
-def _refused(conn: psycopg.AsyncConnection[Any], exc: psycopg.Error) -> bool:
-    """Did the server refuse a statement of a batch sent with its COMMIT (nothing committed:
-    its writes may go again as first tries)? Anything else may come after the COMMIT: a cut
-    once surfaced as "cannot exit pipeline mode while busy" (no SQLSTATE, the connection not
-    marked broken), and the committed batch, sent again, stored its messages twice."""
-    return (not (conn.broken or conn.closed) and exc.sqlstate is not None
-            and not transient(exc))
-
-
-async def _discard(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Close a connection whose pipeline the database failed (the pool replaces it). Seen
-    once after failed batch pipelines: InvalidSqlStatementName ("_pg3_1" does not exist),
-    psycopg's prepared-statement cache out of step with the server's; not reproduced in
-    isolation (psycopg 3.3.9 forgets a skipped prepare), so a failed pipeline's connection,
-    rare once JSON nulls no longer fail a batch, is not trusted again."""
-    await conn.close()
-
-
-def _unprepared(exc: BaseException | None) -> bool:
-    """A prepared statement the server does not have: the connection's state, not the
-    write's."""
-    return isinstance(exc, psycopg.errors.InvalidSqlStatementName)
-
-
-def _retryable(exc: Exception) -> Exception:
-    """A write's error as its caller gets it: _unprepared as transient, so the write is
-    repeated on another connection (this one is closed)."""
-    return _transiently(exc) if _unprepared(exc) else exc
-
-
-def _transiently(exc: Exception) -> Exception:
-    """`exc` as an error `again` repeats (an OperationalError without SQLSTATE)."""
-    if transient(exc):
-        return exc
-    retry = psycopg.OperationalError(f"connection closed after: {exc}")
-    retry.__cause__ = exc
-    return retry
-
-
-def _kinds(piped: list[_Write]) -> list[list[tuple[_Write, Statement]]]:
-    """The writes to send, by statement: those of one batch kind together (one per run: a
-    run's second write in a batch, never made by a worker, goes alone after) in batch
-    statements of at most MAX_BATCH_BYTES, a write without a batch form alone."""
-    kinds: dict[str, list[list[tuple[_Write, Statement]]]] = {}
-    size: dict[str, int] = {}
-    alone: list[list[tuple[_Write, Statement]]] = []
-    runs: set[Any] = set()
-    for w in piped:
-        statement = w.statement
-        if statement is None or w.done.done():
-            continue
-        if statement.batch is None or statement.params["run_id"] in runs:
-            alone.append([(w, statement)])
-            continue
-        runs.add(statement.params["run_id"])
-        chunks = kinds.setdefault(statement.batch, [[]])
-        if chunks[-1] and size[statement.batch] + len(statement.row) > MAX_BATCH_BYTES:
-            chunks.append([])
-            size[statement.batch] = 0
-        chunks[-1].append((w, statement))
-        size[statement.batch] = size.get(statement.batch, 0) + len(statement.row)
-    return [*(c for chunks in kinds.values() for c in chunks), *alone]
-
-
-async def _send(conn: psycopg.AsyncConnection[Any], kind: list[tuple[_Write, Statement]]
-                ) -> psycopg.AsyncCursor[Any]:
-    """Send the writes of one kind (_kinds): as their batch statement, or one alone."""
-    first = kind[0][1]
-    if first.batch is None:
-        return await conn.execute(first.query, first.params)
-    # A batchable write alone too: its batch statement skips a run row another transaction
-    # holds, where its single statement would hold up the whole batch waiting for it.
-    return await conn.execute(first.batch, first.batch_params([st.row for _, st in kind]))
-
-
-async def _answers(conn: psycopg.AsyncConnection[Any], kind: list[tuple[_Write, Statement]],
-                   cur: psycopg.AsyncCursor[Any], results: list[tuple[_Write, Any]]) -> None:
-    """The answers of the writes of one kind sent by _send, into `results`."""
-    if kind[0][1].batch is None:
-        w, statement = kind[0]
-        await _answer_from(conn, w, statement, await cur.fetchone(), results)
-        return
-    # A batch returns (run id, value) of each write it made. One it did not make (its run
-    # row held by another transaction and skipped, or the write refused) is left unanswered,
-    # to be sent again alone (its single statement waits for the row, or explains).
-    made = {key: value for key, value in await cur.fetchall()}
-    for w, statement in kind:
-        value = made.get(statement.params["run_id"], _NONE)
-        if value is _NONE:
-            w.statement = None
-            w.alone = True
-        else:
-            await _answer_from(conn, w, statement, (value,), results)
-
-
-async def _answer_from(conn: psycopg.AsyncConnection[Any], w: _Write, statement: Statement,
-                       row: Any, results: list[tuple[_Write, Any]]) -> None:
-    """A pipelined write's answer of the row its statement returned, into `results`."""
-    try:
-        results.append((w, await statement.answer(conn, row)))
-    except psycopg.Error:
-        raise
-    except Exception as exc:
-        # Refused without an error (LeaseLost, CallMismatch): nothing written.
-        _answer(w, exc=exc)
-
-
-def _answer(w: _Write, *, result: Any = None, exc: BaseException | None = None) -> None:
-    if w.done.done():
-        return
-    if exc is not None:
-        w.done.set_exception(exc)
-    else:
-        w.done.set_result(result)
+def _batchable(statement: Statement | None) -> bool:
+    return statement is not None and statement.batch is not None

@@ -100,6 +100,22 @@ def _messages(ids: list[uuid.UUID], turn: int = 1) -> list[checkpoints.Statement
             for i in ids]
 
 
+def _message(run_id: uuid.UUID, text: Any) -> tuple[Any, checkpoints.Statement]:
+    """A message write as a worker makes it (runpool.context): its first try as a batchable
+    statement, and an op whose repeat reads back an earlier try that committed."""
+    data = orjson.dumps(text)
+    first = checkpoints.message_write(run_id, 1, "assistant", jsonb(data), encoded=data)
+
+    async def op(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
+        if tries:
+            seq = await checkpoints.find_message(conn, run_id, 1, 0, "assistant", jsonb(data))
+            if seq is not None:
+                return seq
+        return await first.run(conn)
+
+    return op, first
+
+
 def test_a_tenant_holding_its_own_run_row_does_not_fail_other_tenants_writes(dsn: str) -> None:
     """Tenant "evil" signals its own running run inside a transaction it keeps open
     (runpool.signal_run on the caller's connection: the run row FOR NO KEY UPDATE until it
@@ -312,9 +328,10 @@ def test_writes_through_cut_connections_are_committed_once_each(dsn: str) -> Non
 
             async def one(run_id: uuid.UUID) -> int:
                 for turn in range(turns):
-                    write = _messages([run_id], turn)[0]
+                    # Repeated (a cut may come after a commit), it reads back first.
+                    op, write = _message(run_id, {"turn": turn})
                     try:
-                        await group.write(_op(write), 20, what="test", statement=write)
+                        await group.write(op, 20, what="test", statement=write)
                     except psycopg.Error:
                         return turn  # a write that failed for good: the run writes no more
                     await asyncio.sleep(random.uniform(0, 0.1))  # the agent's own work

@@ -12,10 +12,11 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 import runpool
-from runpool.commits import MAX_INFLIGHT, CommitGroup, _refused, _transiently
+from runpool.commits import MAX_INFLIGHT, CommitGroup
 from runpool.db import aconnect, connect, open_pool
 from runpool.deadlines import transient
 from runpool.errors import LeaseLost
+from runpool.lane_locks import refused, transiently
 from tests.helpers import running_pool, scalar, wait_for
 
 TABLE = "CREATE TABLE written (x int PRIMARY KEY, tries int NOT NULL)"
@@ -221,19 +222,19 @@ def test_a_batch_goes_again_as_first_tries_only_when_the_database_refused_a_stat
             try:
                 await conn.execute("SELECT %s::text::jsonb", ['"\\u0000"'])
             except psycopg.Error as exc:
-                seen.append(_refused(conn, exc))  # refused: its data
+                seen.append(refused(conn, exc))  # refused: its data
             try:
                 await conn.execute("SELECT 1 / (SELECT count(*) FROM pg_class WHERE false)")
             except psycopg.Error as exc:
-                seen.append(_refused(conn, exc))  # refused: the statement
-            seen.append(_refused(conn, psycopg.OperationalError(
+                seen.append(refused(conn, exc))  # refused: the statement
+            seen.append(refused(conn, psycopg.OperationalError(
                 "cannot exit pipeline mode while busy")))
             pid = (await (await conn.execute("SELECT pg_backend_pid()")).fetchall())[0][0]
             await other.execute("SELECT pg_terminate_backend(%s)", [pid])
             try:
                 await conn.execute("SELECT 1")
             except psycopg.Error as exc:
-                seen.append(_refused(conn, exc))  # cut
+                seen.append(refused(conn, exc))  # cut
         return seen
 
     assert asyncio.run(main()) == [True, True, False, False]
@@ -241,4 +242,4 @@ def test_a_batch_goes_again_as_first_tries_only_when_the_database_refused_a_stat
     # write's bad data, seen as the connection was cut, once failed its batch's other writes
     # for good.
     bad_data = psycopg.errors.UntranslatableCharacter("unsupported Unicode escape sequence")
-    assert transient(_transiently(bad_data)) and _transiently(bad_data).__cause__ is bad_data
+    assert transient(transiently(bad_data)) and transiently(bad_data).__cause__ is bad_data

@@ -1,0 +1,147 @@
+"""How a group commit's writes go as batch statements (runpool.commits): a write as the
+group holds it, grouped by kind into batch statements, sent, and answered from what each
+statement returned (a write its batch statement skipped is left unanswered, to go again)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import psycopg
+
+__all__ = ["MAX_BATCH_BYTES", "MAX_SKIPS", "SKIP_PAUSE", "Op", "Statement", "Write", "answer",
+           "answers", "kinds", "send"]
+
+Op = Callable[[psycopg.AsyncConnection[Any], int], Awaitable[Any]]
+
+
+class Statement(Protocol):
+    """A write as one statement and what makes its answer of the row it returned (the shape
+    of checkpoints.Statement)."""
+
+    @property
+    def query(self) -> str: ...
+    @property
+    def params(self) -> dict[str, Any]: ...
+    @property
+    def answer(self) -> Callable[[psycopg.AsyncConnection[Any], Any], Awaitable[Any]]: ...
+    @property
+    def batch(self) -> str | None: ...
+    @property
+    def row(self) -> bytes: ...
+    def batch_params(self, rows: list[bytes]) -> dict[str, Any]: ...
+
+# The most JSON one batch statement carries: the server parses its array whole (and each
+# write's values again as its rows), so a batch of large writes (64 tool results of 1 MB:
+# ~520 MB in one backend) goes as several statements, each a bounded cost; a larger write
+# goes alone.
+MAX_BATCH_BYTES: Final = 4 << 20
+
+
+# A first try its batch statement skipped (its run row held: most often by a heartbeat, which
+# holds a worker's rows ~15-20 ms a beat at 1,000 runs) goes again in a batch after a pause,
+# SKIP_PAUSE doubling (5, 10, 20, 40, 80 ms), MAX_SKIPS times before it goes to a waiting lane:
+# each skipped write sent alone there put W11's tool call p99 at 330-590 ms.
+SKIP_PAUSE: Final = 0.005
+MAX_SKIPS: Final = 5
+
+@dataclass(slots=True)
+class Write:
+    op: Op
+    tries: int
+    deadline: float
+    done: asyncio.Future[Any]
+    # The write as a statement to pipeline (a first try only: a repeat reads back first).
+    statement: Statement | None
+    # In a waiting lane, alone: its run row was held by another transaction (a batch
+    # statement skipped it, or a lock timed out), or it is a repeat: it may wait.
+    alone: bool = False
+    # Times its batch statement skipped it, and the pause before it goes in a batch again.
+    skips: int = 0
+    pause: float = 0.0
+
+
+_NONE: Final = object()
+
+
+def kinds(piped: list[Write]) -> list[list[tuple[Write, Statement]]]:
+    """The writes to send, by statement: those of one batch kind together (one per run: a
+    run's second write in a batch, never made by a worker, goes alone after) in batch
+    statements of at most MAX_BATCH_BYTES, a write without a batch form alone."""
+    kinds: dict[str, list[list[tuple[Write, Statement]]]] = {}
+    size: dict[str, int] = {}
+    alone: list[list[tuple[Write, Statement]]] = []
+    runs: set[Any] = set()
+    for w in piped:
+        statement = w.statement
+        if statement is None or w.done.done():
+            continue
+        if statement.batch is None or statement.params["run_id"] in runs:
+            alone.append([(w, statement)])
+            continue
+        runs.add(statement.params["run_id"])
+        chunks = kinds.setdefault(statement.batch, [[]])
+        if chunks[-1] and size[statement.batch] + len(statement.row) > MAX_BATCH_BYTES:
+            chunks.append([])
+            size[statement.batch] = 0
+        chunks[-1].append((w, statement))
+        size[statement.batch] = size.get(statement.batch, 0) + len(statement.row)
+    return [*(c for chunks in kinds.values() for c in chunks), *alone]
+
+
+async def send(conn: psycopg.AsyncConnection[Any], kind: list[tuple[Write, Statement]]
+                ) -> psycopg.AsyncCursor[Any]:
+    """Send the writes of one kind (_kinds): as their batch statement, or one alone."""
+    first = kind[0][1]
+    if first.batch is None:
+        return await conn.execute(first.query, first.params)
+    # A batchable write alone too: its batch statement skips a run row another transaction
+    # holds, where its single statement would hold up the whole batch waiting for it.
+    return await conn.execute(first.batch, first.batch_params([st.row for _, st in kind]))
+
+
+async def answers(conn: psycopg.AsyncConnection[Any], kind: list[tuple[Write, Statement]],
+                   cur: psycopg.AsyncCursor[Any], results: list[tuple[Write, Any]]) -> None:
+    """The answers of the writes of one kind sent by _send, into `results`."""
+    if kind[0][1].batch is None:
+        w, statement = kind[0]
+        await answer_from(conn, w, statement, await cur.fetchone(), results)
+        return
+    # A batch returns (run id, value) of each write it made. One it did not make (its run
+    # row held by another transaction and skipped, or the write refused) is left unanswered,
+    # to be sent again alone (its single statement waits for the row, or explains).
+    made = {key: value for key, value in await cur.fetchall()}
+    for w, statement in kind:
+        value = made.get(statement.params["run_id"], _NONE)
+        if value is _NONE:
+            w.skips += 1
+            if w.skips > MAX_SKIPS:
+                w.statement = None
+                w.alone = True
+            else:
+                w.pause = SKIP_PAUSE * 2 ** (w.skips - 1)
+        else:
+            await answer_from(conn, w, statement, (value,), results)
+
+
+async def answer_from(conn: psycopg.AsyncConnection[Any], w: Write, statement: Statement,
+                       row: Any, results: list[tuple[Write, Any]]) -> None:
+    """A pipelined write's answer of the row its statement returned, into `results`."""
+    try:
+        results.append((w, await statement.answer(conn, row)))
+    except psycopg.Error:
+        raise
+    except Exception as exc:
+        # Refused without an error (LeaseLost, CallMismatch): nothing written.
+        answer(w, exc=exc)
+
+
+def answer(w: Write, *, result: Any = None, exc: BaseException | None = None) -> None:
+    if w.done.done():
+        return
+    if exc is not None:
+        w.done.set_exception(exc)
+    else:
+        w.done.set_result(result)

@@ -1,0 +1,103 @@
+"""What a group commit's lane does about locks and failures (runpool.commits): its
+transactions wait at most LOCK_TIMEOUT for a lock, and a failed write's error is told apart as
+the database's refusal, a held row (polled for), or a connection's failure (repeated)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import psycopg
+
+from .db import BEGIN, COMMIT, ROLLBACK
+from .deadlines import transient
+from .errors import DatabaseTimeout
+
+__all__ = ["LOCK_TIMEOUT", "discard", "locked", "locking_briefly", "refused", "retryable",
+           "transiently", "unprepared"]
+
+# The longest a write in a lane waits for a lock: a tenant's held rows cost a waiting lane
+# this long per poll (100 of them polled once a second: ~2 % of one lane).
+LOCK_TIMEOUT: Final = "2ms"
+# LOCK_TIMEOUT for the rest of the current transaction (not the session: safe behind a
+# transaction-mode pooler), and back to the session's own before its COMMIT: a notifying
+# commit waits for the NOTIFY queue's lock (every few ms under load), which a lock timeout
+# would fail.
+SET_LOCK_TIMEOUT: Final = "SELECT set_config('lock_timeout', %(timeout)s, true)"
+RESET_LOCK_TIMEOUT: Final = "SET LOCAL lock_timeout TO DEFAULT"
+
+def refused(conn: psycopg.AsyncConnection[Any], exc: psycopg.Error) -> bool:
+    """Did the server refuse a statement of a batch sent with its COMMIT (nothing committed:
+    its writes may go again as first tries)? Anything else may come after the COMMIT: a cut
+    once surfaced as "cannot exit pipeline mode while busy" (no SQLSTATE, the connection not
+    marked broken), and the committed batch, sent again, stored its messages twice."""
+    return (not (conn.broken or conn.closed) and exc.sqlstate is not None
+            and not transient(exc))
+
+
+async def discard(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Close a connection whose pipeline the database failed (the pool replaces it). Seen
+    once after failed batch pipelines: InvalidSqlStatementName ("_pg3_1" does not exist),
+    psycopg's prepared-statement cache out of step with the server's; not reproduced in
+    isolation (psycopg 3.3.9 forgets a skipped prepare), so a failed pipeline's connection,
+    rare once JSON nulls no longer fail a batch, is not trusted again."""
+    await conn.close()
+
+
+def unprepared(exc: BaseException | None) -> bool:
+    """A prepared statement the server does not have: the connection's state, not the
+    write's."""
+    return isinstance(exc, psycopg.errors.InvalidSqlStatementName)
+
+
+@asynccontextmanager
+async def locking_briefly(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+    """A transaction whose statements wait at most LOCK_TIMEOUT for a lock (its COMMIT as
+    long as it must: see SET_LOCK_TIMEOUT). On an error it is rolled back keeping the session's
+    prepared statements: psycopg answers a ROLLBACK it sees with DEALLOCATE ALL, and every poll
+    of a tenant's held row would then make the session prepare the worker's statements anew."""
+    await conn.execute(BEGIN)
+    try:
+        await conn.execute(SET_LOCK_TIMEOUT, {"timeout": LOCK_TIMEOUT})
+        yield
+        await conn.execute(RESET_LOCK_TIMEOUT)
+    except BaseException:
+        threshold = conn.prepare_threshold
+        conn.prepare_threshold = None  # psycopg then neither counts nor checks the ROLLBACK
+        try:
+            await conn.execute(ROLLBACK)
+        except psycopg.Error:
+            await conn.close()  # the pool replaces it
+        finally:
+            conn.prepare_threshold = threshold
+        raise
+    await conn.execute(COMMIT)
+
+
+def locked(exc: BaseException | None) -> bool:
+    """A row lock still held at LOCK_TIMEOUT (or a NOWAIT refused): another transaction's,
+    not the write's."""
+    return isinstance(exc, psycopg.errors.LockNotAvailable)
+
+
+def retryable(exc: Exception) -> Exception:
+    """A write's error as its caller gets it: _unprepared as transient, so the write is
+    repeated on another connection (this one is closed); _locked as a timeout, which its
+    caller repeats after a pause (polling for the row, out of the lanes) and raises at the
+    write's deadline."""
+    if locked(exc):
+        waited = DatabaseTimeout("the run's row is held by another transaction (an open"
+                                 f" transaction of the API on this run?): {exc}")
+        waited.__cause__ = exc
+        return waited
+    return transiently(exc) if unprepared(exc) else exc
+
+
+def transiently(exc: Exception) -> Exception:
+    """`exc` as an error `again` repeats (an OperationalError without SQLSTATE)."""
+    if transient(exc):
+        return exc
+    retry = psycopg.OperationalError(f"connection closed after: {exc}")
+    retry.__cause__ = exc
+    return retry
