@@ -146,7 +146,7 @@ class Attempt:
             if self._commits is not None:
                 return await self._commits.write(  # type: ignore[no-any-return]
                     op, self._write_timeout, what=what, log={"run_id": str(self.id)},
-                    statement=statement)
+                    statement=statement, run_id=self.id)
             return await retrying(pool, self._write_timeout, op, what=what,
                                   log={"run_id": str(self.id)})
         except LeaseLost:

@@ -5,6 +5,7 @@ statement returned (a write its batch statement skipped is left unanswered, to g
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -61,6 +62,8 @@ class Write:
     # Times its batch statement skipped it, and the pause before it goes in a batch again.
     skips: int = 0
     pause: float = 0.0
+    # Its run, once a try of it found the run row held: its poll first asks if it still is.
+    run_id: uuid.UUID | None = None
 
 
 _NONE: Final = object()

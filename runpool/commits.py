@@ -48,6 +48,7 @@ other.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import deque
 from typing import Any, Final
 
@@ -58,12 +59,15 @@ from psycopg_pool import AsyncConnectionPool
 from .batch_sends import Op, Statement, Write, answer, answers, kinds, send
 from .db import one_trip
 from .deadlines import again, bounded
+from .errors import DatabaseTimeout
 from .lane_locks import (
     discard,
+    held_error,
     locked,
     locking_briefly,
     refused,
     retryable,
+    still_held,
     transiently,
     unprepared,
 )
@@ -108,23 +112,35 @@ class CommitGroup:
         self.writes = 0
         self.pipelined = 0
         self.statements = 0
+        # Batches rolled back and sent again (a statement failed, or met a held row).
+        self.rollbacks = 0
 
     async def write(self, op: Op, seconds: float, *, what: str,
                     log: dict[str, str] | None = None,
-                    statement: Statement | None = None) -> Any:
+                    statement: Statement | None = None, run_id: uuid.UUID | None = None
+                    ) -> Any:
         """Run `op` in the next batch, again when it fails transiently, within `seconds`;
-        `statement`, if given, is `op`'s first try as a statement (pipelined in a batch)."""
+        `statement`, if given, is `op`'s first try as a statement (pipelined in a batch);
+        `run_id`, the run whose row `op` locks: while that row stays held by another
+        transaction, a poll only asks whether it still is (one cheap statement)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
 
+        held = False
+
         async def once(tries: int) -> Any:
+            nonlocal held
             done: asyncio.Future[Any] = loop.create_future()
             # A repeat first waits for its earlier try (store.SETTLED): it may wait.
             w = Write(op, tries, deadline, done, statement if tries == 0 else None,
-                       alone=tries > 0)
+                      alone=tries > 0, run_id=run_id if held else None)
             (self._waiting if w.alone else self._queue).append(w)
             self._kick()
-            return await done
+            try:
+                return await done
+            except DatabaseTimeout as exc:
+                held = locked(exc.__cause__)
+                raise
 
         return await again(once, seconds, what=what, log=log)
 
@@ -181,13 +197,15 @@ class CommitGroup:
         statement and one round trip, as the write's single statement would be, but one that
         skips its run row if another transaction holds it (the write then goes again after
         a pause, see MAX_SKIPS) instead of waiting for it in a batch lane."""
-        kind = kinds([w])
+        (kind,) = kinds([w]) or [[]]
+        if not kind:
+            return  # its caller gave up meanwhile
         results: list[tuple[Write, Any]] = []
         async with bounded(self._pool, seconds) as conn:
             try:
-                cur = await send(conn, kind[0])
+                cur = await send(conn, kind)
                 self.statements += 1
-                await answers(conn, kind[0], cur, results)
+                await answers(conn, kind, cur, results)
             except Exception as exc:
                 answer(w, exc=retryable(exc))
                 if unprepared(exc):
@@ -204,6 +222,10 @@ class CommitGroup:
         a lock still held answers it with an error its caller repeats (polling)."""
         async with bounded(self._pool, seconds) as conn:
             try:
+                if w.run_id is not None and await still_held(conn, w.run_id):
+                    answer(w, exc=held_error(f"run {w.run_id}", psycopg.errors.LockNotAvailable(
+                        "the row was still held when polled")))
+                    return
                 async with locking_briefly(conn):
                     result = await w.op(conn, w.tries)
             except Exception as exc:
@@ -216,7 +238,7 @@ class CommitGroup:
         answer(w, result=result)
 
     async def _together(self, batch: list[Write], seconds: float) -> None:
-        if all(w.statement is not None for w in batch):
+        if all(_batchable(w.statement) for w in batch):  # none waits: see _one_trip
             await self._one_trip(batch, seconds)
             return
         results: list[tuple[Write, Any]] = []
@@ -241,17 +263,25 @@ class CommitGroup:
                             if conn.info.transaction_status != pq.TransactionStatus.INERROR:
                                 raise  # the connection itself: every write is answered with it
                             if locked(exc):
-                                w.alone = True  # from now on in a waiting lane
+                                # A held row: this write and the batch's others without a
+                                # statement form (those are what can meet one) go alone from
+                                # now on, so a tenant's several held writes cost one round.
+                                for v in rest:
+                                    v.alone = True
                             else:
                                 answer(w, exc=retryable(exc))
                             raise _Retry from exc
                         except Exception as exc:
-                            # Refused without an error (LeaseLost, CallMismatch): nothing
-                            # written.
+                            # Refused without an error (LeaseLost, CallMismatch), or with the
+                            # database's error translated by the op (a wait's InvalidInput):
+                            # then the transaction is aborted, and the others go again.
                             answer(w, exc=exc)
+                            if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+                                raise _Retry from exc
             except _Retry as exc:
                 # Rolled back: every write of the batch not answered yet goes again (the
                 # pipelined ones one by one), not only those of the failed statement.
+                self.rollbacks += 1
                 if failed or unprepared(exc.__cause__):
                     await discard(conn)  # its pipeline failed, or its prepared statements
                 self._requeue(batch)

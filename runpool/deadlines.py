@@ -64,6 +64,7 @@ async def again(op: Callable[[int], Awaitable[T]], seconds: float, *, what: str,
     deadline = loop.time() + seconds
     delay = 0.02
     tries = 0
+    held = False
     while True:
         try:
             return await op(tries)
@@ -71,9 +72,18 @@ async def again(op: Callable[[int], Awaitable[T]], seconds: float, *, what: str,
             tries += 1
             if not transient(exc) or loop.time() + delay >= deadline:
                 raise
-            logger.warning("%s failed (try %d), retrying on another connection: %r",
-                           what, tries, exc,
-                           extra={"action": "db_retry", "what": what, **(log or {})})
+            if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                # A row held by another transaction: polled for, said once (a tenant's open
+                # transaction would otherwise log a line per held row per second).
+                if not held:
+                    logger.warning("%s waits for a row another transaction holds, polling: %s",
+                                   what, exc, extra={"action": "db_row_held", "what": what,
+                                                     **(log or {})})
+                held = True
+            else:
+                logger.warning("%s failed (try %d), retrying on another connection: %r",
+                               what, tries, exc,
+                               extra={"action": "db_retry", "what": what, **(log or {})})
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
 

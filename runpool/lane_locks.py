@@ -4,6 +4,7 @@ the database's refusal, a held row (polled for), or a connection's failure (repe
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -81,16 +82,37 @@ def locked(exc: BaseException | None) -> bool:
     return isinstance(exc, psycopg.errors.LockNotAvailable)
 
 
+# Is the run row held by another transaction (a lock that conflicts with a fence's share
+# lock), while the run exists? A held-row poll's question: one statement in autocommit that
+# waits for nothing.
+STILL_HELD: Final = """
+SELECT EXISTS (SELECT 1 FROM runpool.runs WHERE id = %(run_id)s)
+   AND NOT EXISTS (SELECT 1 FROM runpool.runs WHERE id = %(run_id)s FOR SHARE SKIP LOCKED)
+"""
+
+
+async def still_held(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> bool:
+    cur = await conn.execute(STILL_HELD, {"run_id": run_id})
+    row = await cur.fetchone()
+    return bool(row and row[0])
+
+
+def held_error(run: str, cause: BaseException) -> DatabaseTimeout:
+    """A write's answer while its run row is held (`run`: which run, as said in the message):
+    a timeout its caller repeats (polls), and raises at the write's deadline."""
+    error = DatabaseTimeout(f"{run}'s row is held by another transaction (an open transaction"
+                            f" of the API on this run?): {cause}")
+    error.__cause__ = cause
+    return error
+
+
 def retryable(exc: Exception) -> Exception:
     """A write's error as its caller gets it: _unprepared as transient, so the write is
     repeated on another connection (this one is closed); _locked as a timeout, which its
     caller repeats after a pause (polling for the row, out of the lanes) and raises at the
     write's deadline."""
     if locked(exc):
-        waited = DatabaseTimeout("the run's row is held by another transaction (an open"
-                                 f" transaction of the API on this run?): {exc}")
-        waited.__cause__ = exc
-        return waited
+        return held_error("the run", exc)
     return transiently(exc) if unprepared(exc) else exc
 
 

@@ -9,6 +9,8 @@ import asyncio
 import uuid
 from typing import Any
 
+import psycopg
+
 from runpool.commits import MAX_INFLIGHT, MAX_WAITING, CommitGroup
 from runpool.db import connect, open_pool
 from runpool.errors import DatabaseTimeout
@@ -70,3 +72,80 @@ def test_a_tenant_holding_its_runs_rows_stalls_only_its_own_writes(dsn: str) -> 
             "SELECT run_id, count(*) FROM runpool.messages WHERE run_id = ANY(%s)"
             " GROUP BY run_id", ([*acme, *evil, late],)).fetchall())
     assert counts == {r: 1 for r in [*acme, *evil]}, counts
+
+
+def _plain(run_id: uuid.UUID, text: str, calls: list[int] | None = None) -> Any:
+    """A message write without a first-try statement (as a usage, wait or spawn write goes):
+    an op, repeat-safe; `calls` counts its runs."""
+    op, _ = _message(run_id, {"text": text})
+
+    async def counted(conn: psycopg.AsyncConnection[Any], tries: int) -> Any:
+        if calls is not None:
+            calls.append(tries)
+        return await op(conn, tries)
+
+    return counted
+
+
+def test_held_rows_of_writes_without_a_statement_cost_their_batch_one_round(dsn: str) -> None:
+    """Writes without a statement form go in a shared transaction; one that meets a held row
+    (LOCK_TIMEOUT) rolls the batch back. Before, only that one write left the batch each
+    round: ten held ones cost ten rollbacks of everyone's batch (an attack: 300 held writes
+    put innocent writes' p50 at 1.3 s). Now every write of that kind in the batch goes alone
+    after the first: one rollback, and the innocent writes land."""
+    acme = _held(dsn, 12, "acme")
+    evil = _held(dsn, 10, "evil")
+    with connect(dsn) as hostile:
+        for run_id in evil:
+            assert signal_run(hostile, run_id, "poke", tenant="evil") == "stored"
+
+        async def main() -> tuple[list[Any], int]:
+            pool = await open_pool(dsn, size=MAX_INFLIGHT + MAX_WAITING + 2, name="held-rows")
+            try:
+                group = CommitGroup(pool)
+                first_lanes = [asyncio.ensure_future(group.write(
+                    _plain(r, "lane"), 60, what="test")) for r in acme[:MAX_INFLIGHT]]
+                # These arrive while the lanes are busy: one batch, held writes first.
+                held = [asyncio.ensure_future(group.write(_plain(r, "held"), 60, what="test"))
+                        for r in evil]
+                others = [asyncio.ensure_future(group.write(_plain(r, "acme"), 60, what="test"))
+                          for r in acme[MAX_INFLIGHT:]]
+                got = list(await asyncio.wait_for(asyncio.gather(*first_lanes, *others), 30))
+                rollbacks = group.rollbacks
+                hostile.rollback()
+                await asyncio.wait_for(asyncio.gather(*held), 30)
+                return got, rollbacks
+            finally:
+                await pool.close()
+
+        got, rollbacks = asyncio.run(main())
+    assert got == [1] * len(acme)
+    assert rollbacks == 1, rollbacks
+
+
+def test_a_held_rows_poll_asks_whether_it_is_still_held_instead_of_writing(dsn: str) -> None:
+    """While a run's row stays held, its write polls (20 ms, doubling): each poll one cheap
+    statement that waits for nothing, not the write's own transaction (BEGIN, the write
+    stopped at LOCK_TIMEOUT, ROLLBACK). The write itself goes once the row is free."""
+    (run_id,) = _held(dsn, 1, "evil")
+    calls: list[int] = []
+    with connect(dsn) as hostile:
+        assert signal_run(hostile, run_id, "poke", tenant="evil") == "stored"
+
+        async def main() -> Any:
+            pool = await open_pool(dsn, size=MAX_INFLIGHT + MAX_WAITING + 1, name="held-rows")
+            try:
+                group = CommitGroup(pool)
+                write = asyncio.ensure_future(group.write(
+                    _plain(run_id, "held", calls), 60, what="test", run_id=run_id))
+                await asyncio.sleep(1.0)  # the tenant's transaction stays open a second
+                assert not write.done()
+                hostile.rollback()
+                return await asyncio.wait_for(write, 30)
+            finally:
+                await pool.close()
+
+        assert asyncio.run(main()) == 1
+    # Its first try met the lock; the polls of the next second (six or so) did not write;
+    # the try after the rollback wrote.
+    assert len(calls) == 2, calls
