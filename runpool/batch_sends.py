@@ -57,13 +57,16 @@ class Write:
     # The write as a statement to pipeline (a first try only: a repeat reads back first).
     statement: Statement | None
     # In a waiting lane, alone: its run row was held by another transaction (a batch
-    # statement skipped it, or a lock timed out), or it is a repeat: it may wait.
+    # statement skipped it, or its transaction found it held), a lock timed out, or it is
+    # a repeat.
     alone: bool = False
     # Times its batch statement skipped it, and the pause before it goes in a batch again.
     skips: int = 0
     pause: float = 0.0
-    # Its run, once a try of it found the run row held: its poll first asks if it still is.
+    # Its run (when the caller said), and whether its last try found the run row held (its
+    # poll then first asks whether it still is).
     run_id: uuid.UUID | None = None
+    held: bool = False
 
 
 _NONE: Final = object()

@@ -16,14 +16,16 @@ own statement in the shared transaction:
 - a connection or commit that fails transiently answers every write of the batch with that
   error, and each is repeated by `again` on its try count (it may have committed).
 
-No write waits for a row lock in a batch lane: a write whose run row another transaction
-holds (a heartbeat for a moment; a tenant's own transaction on its run, left open) is skipped
-by its batch statement (up to MAX_SKIPS times, pausing between), or stopped at LOCK_TIMEOUT,
-and goes on alone in a waiting lane (MAX_WAITING), where a lock still held answers it with
-DatabaseTimeout, which its caller repeats after a pause: it polls for the row without holding
-any lane, until its deadline.
-Repeats (which first wait for their earlier try) go in the waiting lanes too. So no tenant's
-held rows slow another tenant's writes.
+No write waits for a held run row in a lane: a write whose run row another transaction holds
+(a heartbeat for a moment; a tenant's own transaction on its run, left open) is skipped by its
+batch statement (up to MAX_SKIPS times, pausing between), or found held when its transaction
+share-locks its run's row first (lane_locks.BEGIN_WRITES, SKIP LOCKED), and goes on alone in
+a waiting lane (MAX_WAITING), where a row still held answers it with DatabaseTimeout, which
+its caller repeats after a pause: it polls for the row (each poll one statement that waits for
+nothing) without holding any lane, until its deadline. Any other lock (a tenant's usage
+rollup row, which the worker's own batches hold for moments; a serial key a spawn takes)
+waits at most LOCK_TIMEOUT. Repeats (which first wait for their earlier try) go in the
+waiting lanes too. So no tenant's held rows slow another tenant's writes.
 
 A write given as a Statement (one statement, then what makes its answer of the returned row:
 checkpoints.Statement) is sent with the batch's other statements at once, in a pipeline, and
@@ -78,18 +80,23 @@ __all__ = ["CommitGroup", "Statement"]
 # Batches in flight at once before writes start to wait and group: few enough that a loaded
 # worker's writes batch (W11: 2,000 runs in flight; 4 lanes made batches of ~3 writes and
 # cost more server CPU per write, see README "Group commit"), and a pool's other users
-# (claims, heartbeats, outcomes) keep connections. Nothing in a lane waits for a row lock
-# another transaction holds (a batch statement skips the row, any other statement has
-# LOCK_TIMEOUT), so a tenant holding its own rows open cannot hold a lane.
+# (claims, heartbeats, outcomes) keep connections. Nothing in a lane waits for a run row
+# another transaction holds (a batch statement skips it; other writes share-lock their runs'
+# rows first, skipping held ones; other locks wait at most LOCK_TIMEOUT), so a tenant holding
+# its own rows open cannot hold a lane.
 MAX_INFLIGHT: Final = 2
-# Lanes of the writes that may wait for a held row (those a batch skipped or a lock timed out,
-# and repeats, which first wait for their earlier try): each alone, in a transaction of its
-# own under LOCK_TIMEOUT; a lock still held sends the write back to its caller, which polls
-# (deadlines.again's backoff, up to 1 s) without holding a lane.
+# Lanes of the writes that may wait for a held row (those a batch skipped or found held, and
+# repeats): each alone, in a transaction of its own
+# (lane_locks.locking_briefly); a row still held sends the write back to its caller, which
+# polls (deadlines.again's backoff, up to 1 s) without holding a lane.
 MAX_WAITING: Final = 2
 # The most writes in one transaction: each holds its run's row (share-locked by the fence)
 # until the commit, and a heartbeat skips a locked row, so a batch is kept short.
 MAX_BATCH: Final = 64
+class _Held(Exception):
+    """The write's run row is held by another transaction: it polls."""
+
+
 class _Retry(Exception):
     """A statement of the batch failed: roll it back (the failed write has its answer)."""
 
@@ -131,9 +138,12 @@ class CommitGroup:
         async def once(tries: int) -> Any:
             nonlocal held
             done: asyncio.Future[Any] = loop.create_future()
-            # A repeat first waits for its earlier try (store.SETTLED): it may wait.
+            # A repeat goes alone, in a short transaction of its own: it first waits for its
+            # earlier try (store.SETTLED), and repeats come after cuts, where a long shared
+            # transaction of them was cut again and again (backends killed every 30 ms: the
+            # batch never committed); a try after a held row polls.
             w = Write(op, tries, deadline, done, statement if tries == 0 else None,
-                      alone=tries > 0, run_id=run_id if held else None)
+                      alone=tries > 0, run_id=run_id, held=held)
             (self._waiting if w.alone else self._queue).append(w)
             self._kick()
             try:
@@ -218,21 +228,30 @@ class CommitGroup:
         self._requeue([w])  # skipped: again after a pause, or alone
 
     async def _alone(self, w: Write, seconds: float) -> None:
-        """A write alone in a transaction of its own, waiting at most LOCK_TIMEOUT for a lock:
-        a lock still held answers it with an error its caller repeats (polling)."""
-        async with bounded(self._pool, seconds) as conn:
-            try:
-                if w.run_id is not None and await still_held(conn, w.run_id):
-                    answer(w, exc=held_error(f"run {w.run_id}", psycopg.errors.LockNotAvailable(
-                        "the row was still held when polled")))
+        """A write alone in a transaction of its own (locking_briefly): its run row held, or
+        another lock held past LOCK_TIMEOUT, answers it with an error its caller repeats
+        (polling)."""
+        try:
+            async with bounded(self._pool, seconds) as conn:
+                try:
+                    # A poll of a held row asks first, in one statement that waits for nothing.
+                    if w.held and w.run_id is not None and await still_held(conn, w.run_id):
+                        raise _Held
+                    async with locking_briefly(conn, _runs([w])) as held:
+                        if held:
+                            raise _Held
+                        result = await w.op(conn, w.tries)
+                except _Held:
+                    answer(w, exc=held_error(f"run {w.run_id}'s row",
+                                             psycopg.errors.LockNotAvailable("the row is locked")))
                     return
-                async with locking_briefly(conn):
-                    result = await w.op(conn, w.tries)
-            except Exception as exc:
-                answer(w, exc=retryable(exc))
-                if unprepared(exc):
-                    await discard(conn)
-                return
+                except Exception as exc:
+                    if unprepared(exc):
+                        await discard(conn)
+                    raise
+        except Exception as exc:  # past `bounded`: a deadline that cut the write is a timeout
+            answer(w, exc=retryable(exc))
+            return
         self.commits += 1
         self.writes += 1
         answer(w, result=result)
@@ -248,14 +267,17 @@ class CommitGroup:
         failed = False
         async with bounded(self._pool, seconds) as conn:
             try:
-                async with locking_briefly(conn):
+                async with locking_briefly(conn, _runs(rest)) as held:
+                    for w in rest:
+                        if w.run_id in held:
+                            w.alone = True  # its run row held: polls alone, not here
                     if len(piped) > 1:
                         failed = bool(await self._pipelined(conn, piped, results))
                         if failed:
                             raise _Retry
                         piped_ok = len(results)
                     for w in rest:
-                        if w.done.done():
+                        if w.done.done() or w.alone:
                             continue
                         try:
                             results.append((w, await w.op(conn, w.tries)))
@@ -373,6 +395,11 @@ class CommitGroup:
                     again.append(w)
             return again
         return []
+
+
+def _runs(writes: list[Write]) -> list[uuid.UUID]:
+    """The runs whose rows the writes lock (those that said: CommitGroup.write's run_id)."""
+    return [w.run_id for w in writes if w.run_id is not None and not w.done.done()]
 
 
 def _batchable(statement: Statement | None) -> bool:

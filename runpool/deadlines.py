@@ -76,7 +76,7 @@ async def again(op: Callable[[int], Awaitable[T]], seconds: float, *, what: str,
                 # A row held by another transaction: polled for, said once (a tenant's open
                 # transaction would otherwise log a line per held row per second).
                 if not held:
-                    logger.warning("%s waits for a row another transaction holds, polling: %s",
+                    logger.warning("%s waits for a lock another transaction holds, polling: %s",
                                    what, exc, extra={"action": "db_row_held", "what": what,
                                                      **(log or {})})
                 held = True

@@ -18,14 +18,22 @@ from .errors import DatabaseTimeout
 __all__ = ["LOCK_TIMEOUT", "discard", "locked", "locking_briefly", "refused", "retryable",
            "transiently", "unprepared"]
 
-# The longest a write in a lane waits for a lock: a tenant's held rows cost a waiting lane
-# this long per poll (100 of them polled once a second: ~2 % of one lane).
-LOCK_TIMEOUT: Final = "2ms"
+# The longest a write in a lane waits for a lock other than its run row's (whose holder it
+# never waits for: BEGIN_WRITES): another transaction of the worker's on a shared row (a
+# tenant's usage rollup, ms), or a lock a tenant can hold (a serial key a spawn takes). A
+# usage write at 2 ms polled for seconds behind the worker's own batches (an attack).
+LOCK_TIMEOUT: Final = "100ms"
 # LOCK_TIMEOUT for the rest of the current transaction (not the session: safe behind a
 # transaction-mode pooler), and back to the session's own before its COMMIT: a notifying
 # commit waits for the NOTIFY queue's lock (every few ms under load), which a lock timeout
-# would fail.
-SET_LOCK_TIMEOUT: Final = "SELECT set_config('lock_timeout', %(timeout)s, true)"
+# would fail. BEGIN_WRITES also share-locks the rows of the given runs that no other
+# transaction holds (skipping, not waiting for, the others) and says which of them exist.
+BEGIN_WRITES: Final = """
+SELECT set_config('lock_timeout', %(timeout)s, true),
+       ARRAY(SELECT id FROM runpool.runs WHERE id = ANY(%(run_ids)s)),
+       ARRAY(SELECT id FROM runpool.runs WHERE id = ANY(%(run_ids)s) ORDER BY id
+             FOR SHARE SKIP LOCKED)
+"""
 RESET_LOCK_TIMEOUT: Final = "SET LOCAL lock_timeout TO DEFAULT"
 
 def refused(conn: psycopg.AsyncConnection[Any], exc: psycopg.Error) -> bool:
@@ -53,27 +61,36 @@ def unprepared(exc: BaseException | None) -> bool:
 
 
 @asynccontextmanager
-async def locking_briefly(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
-    """A transaction whose statements wait at most LOCK_TIMEOUT for a lock (its COMMIT as
-    long as it must: see SET_LOCK_TIMEOUT). On an error it is rolled back keeping the session's
-    prepared statements: psycopg answers a ROLLBACK it sees with DEALLOCATE ALL, and every poll
-    of a tenant's held row would then make the session prepare the worker's statements anew."""
-    await conn.execute(BEGIN)
+async def locking_briefly(conn: psycopg.AsyncConnection[Any], run_ids: list[uuid.UUID]
+                          ) -> AsyncIterator[set[uuid.UUID]]:
+    """A transaction whose statements wait at most LOCK_TIMEOUT for a lock (its COMMIT as long
+    as it must: see BEGIN_WRITES), with the rows of `run_ids` share-locked first, never
+    waited for: it yields those another transaction holds (their writes must not go on here).
+    On an error it is rolled back keeping the session's prepared statements: psycopg answers
+    a ROLLBACK it sees with DEALLOCATE ALL, and the worker's trips would prepare anew."""
     try:
-        await conn.execute(SET_LOCK_TIMEOUT, {"timeout": LOCK_TIMEOUT})
-        yield
-        await conn.execute(RESET_LOCK_TIMEOUT)
+        # Two round trips besides the body's: BEGIN with BEGIN_WRITES, the reset with COMMIT.
+        async with conn.pipeline():
+            await conn.execute(BEGIN)
+            cur = await conn.execute(BEGIN_WRITES, {"timeout": LOCK_TIMEOUT,
+                                                    "run_ids": run_ids})
+            row = await cur.fetchone()
+        existing, free = (row[1], row[2]) if row else ([], [])
+        yield set(existing) - set(free)
+        async with conn.pipeline():
+            await conn.execute(RESET_LOCK_TIMEOUT)
+            await conn.execute(COMMIT)
     except BaseException:
         threshold = conn.prepare_threshold
         conn.prepare_threshold = None  # psycopg then neither counts nor checks the ROLLBACK
         try:
-            await conn.execute(ROLLBACK)
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                await conn.execute(ROLLBACK)
         except psycopg.Error:
             await conn.close()  # the pool replaces it
         finally:
             conn.prepare_threshold = threshold
         raise
-    await conn.execute(COMMIT)
 
 
 def locked(exc: BaseException | None) -> bool:
@@ -97,11 +114,11 @@ async def still_held(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> b
     return bool(row and row[0])
 
 
-def held_error(run: str, cause: BaseException) -> DatabaseTimeout:
-    """A write's answer while its run row is held (`run`: which run, as said in the message):
-    a timeout its caller repeats (polls), and raises at the write's deadline."""
-    error = DatabaseTimeout(f"{run}'s row is held by another transaction (an open transaction"
-                            f" of the API on this run?): {cause}")
+def held_error(what: str, cause: BaseException) -> DatabaseTimeout:
+    """A write's answer while a lock it needs stays held (`what` says which): a timeout its
+    caller repeats (polls), and raises at the write's deadline."""
+    error = DatabaseTimeout(f"{what} is held by another transaction (an open transaction of"
+                            f" the API on this run?): {cause}")
     error.__cause__ = cause
     return error
 
@@ -112,7 +129,7 @@ def retryable(exc: Exception) -> Exception:
     caller repeats after a pause (polling for the row, out of the lanes) and raises at the
     write's deadline."""
     if locked(exc):
-        return held_error("the run", exc)
+        return held_error("a lock the run's write needs", exc)
     return transiently(exc) if unprepared(exc) else exc
 
 

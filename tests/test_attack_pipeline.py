@@ -91,7 +91,7 @@ def _agents_counted(dsn: str, ids: list[uuid.UUID], *, boom: uuid.UUID | None = 
 
             tasks = [asyncio.ensure_future(agent(i)) for i in ids]
             if meanwhile is not None:
-                await meanwhile()
+                await meanwhile(group)
             out = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
             return list(out), group.pipelined, group.statements
         finally:
@@ -147,13 +147,19 @@ def test_connections_cut_while_pipelined_batches_are_in_flight(dsn: str) -> None
     ids = _held(dsn, 40)
     proxy = Proxy(dsn)
     try:
-        async def cut_twice() -> None:
+        async def cut_twice(group: CommitGroup) -> None:
             # Early, while the batches are in flight: since writes of one kind go as one
             # statement, 40 agents may be done within 0.15 s, and a cut after that forces no
-            # reconnect (CI: `reconnected` false).
-            for pause in (0.02, 0.06):
-                await asyncio.sleep(pause)
-                await asyncio.to_thread(proxy.cut)
+            # reconnect (CI: `reconnected` false). The first cut once a batch has committed
+            # (a cut before any, and the repeats after it go alone, may leave none pipelined).
+            async def batched() -> None:
+                while group.pipelined == 0:  # noqa: ASYNC110 - the group's counter, bounded below
+                    await asyncio.sleep(0.001)
+
+            await asyncio.wait_for(batched(), 30)
+            await asyncio.to_thread(proxy.cut)
+            await asyncio.sleep(0.04)
+            await asyncio.to_thread(proxy.cut)
 
         out, pipelined = _agents(proxy.dsn(dsn), ids, meanwhile=cut_twice)
         reconnected = proxy.connections > 6  # the pool's 6, then new ones after each cut

@@ -498,7 +498,10 @@ def test_trace__a_parent_and_its_children_are_one_trace(
         conn: psycopg.Connection[Any], dsn: str) -> None:
     trace_id, parent_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     parent = scalar(conn, "SELECT runpool.enqueue('acme', 'parent', %s, traceparent => %s)",
-                    Jsonb({"children": 2}), f"00-{trace_id}-{parent_span}-01")
+                    # Children slower than the parent's join, so that the join waits (and
+                    # the parent resumes in a second attempt) however fast its spawns commit.
+                    Jsonb({"children": 2, "child": {"seconds": 0.5}}),
+                    f"00-{trace_id}-{parent_span}-01")
     receiver = Receiver()
     try:
         endpoint = receiver.start()
