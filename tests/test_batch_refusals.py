@@ -11,17 +11,17 @@ import asyncio
 import uuid
 from typing import Any
 
-import orjson
 import psycopg
 import pytest
 
-import checkpoints
 from runpool import commits
 from runpool.commits import CommitGroup
-from runpool.db import connect, jsonb, open_pool
+from runpool.db import connect, open_pool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.errors import InvalidInput, UsageError
 from runpool.waits import commit_wait, spawn, spawn_params
+
+from .test_attack3_batch import _message
 
 HOLD = """
 UPDATE runpool.runs SET status = 'running', attempt = 1, started_at = now(),
@@ -35,20 +35,6 @@ def _held(dsn: str, specs: list[RunSpec]) -> list[uuid.UUID]:
         ids = enqueue_many(conn, specs)
         conn.execute(HOLD, (ids,))
         return ids
-
-
-def _message(run_id: uuid.UUID, text: Any) -> tuple[Any, checkpoints.Statement]:
-    data = orjson.dumps(text)
-    first = checkpoints.message_write(run_id, 1, "assistant", jsonb(data), encoded=data)
-
-    async def op(conn: psycopg.AsyncConnection[Any], tries: int) -> int:
-        if tries:
-            seq = await checkpoints.find_message(conn, run_id, 1, 0, "assistant", jsonb(data))
-            if seq is not None:
-                return seq
-        return await first.run(conn)
-
-    return op, first
 
 
 @pytest.mark.parametrize("how", ["wait", "spawn"])
