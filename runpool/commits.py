@@ -24,7 +24,7 @@ a waiting lane (MAX_WAITING), where a row still held answers it with DatabaseTim
 its caller repeats after a pause: it polls for the row (each poll one statement that waits for
 nothing) without holding any lane, until its deadline. Any other lock (a tenant's usage
 rollup row, which the worker's own batches hold for moments; a serial key a spawn takes)
-waits at most LOCK_TIMEOUT. Repeats (which first wait for their earlier try) go in the
+waits briefly (lane_locks.LOCK_TIMEOUT). Repeats (which first wait for their earlier try) go in the
 waiting lanes too. So no tenant's held rows slow another tenant's writes.
 
 A write given as a Statement (one statement, then what makes its answer of the returned row:
@@ -58,11 +58,24 @@ import psycopg
 from psycopg import pq
 from psycopg_pool import AsyncConnectionPool
 
-from .batch_sends import Op, Statement, Write, answer, answers, kinds, send
+from .batch_sends import (
+    MAX_SKIPS,
+    SKIP_PAUSE,
+    Op,
+    Statement,
+    Write,
+    answer,
+    answers,
+    kinds,
+    send,
+)
 from .db import one_trip
 from .deadlines import again, bounded
 from .errors import DatabaseTimeout
 from .lane_locks import (
+    FIRST_WAIT,
+    LOCK_TIMEOUT,
+    POLL_WAIT,
     discard,
     held_error,
     locked,
@@ -95,6 +108,10 @@ MAX_WAITING: Final = 2
 MAX_BATCH: Final = 64
 class _Held(Exception):
     """The write's run row is held by another transaction: it polls."""
+
+
+class _Paused(Exception):
+    """The write's run row is held: it goes again after a pause (see _pause)."""
 
 
 class _Retry(Exception):
@@ -195,7 +212,7 @@ class CommitGroup:
             elif not waiting and _batchable(batch[0].statement):
                 await self._single(batch[0], left)
             else:
-                await self._alone(batch[0], left)
+                await self._alone(batch[0], left, waiting)
         except BaseException as exc:
             for w in batch:
                 answer(w, exc=exc)
@@ -227,20 +244,27 @@ class CommitGroup:
             answer(w, result=results[0][1])
         self._requeue([w])  # skipped: again after a pause, or alone
 
-    async def _alone(self, w: Write, seconds: float) -> None:
+    async def _alone(self, w: Write, seconds: float, waiting: bool) -> None:
         """A write alone in a transaction of its own (locking_briefly): its run row held, or
-        another lock held past LOCK_TIMEOUT, answers it with an error its caller repeats
-        (polling)."""
+        another lock held past the lane's timeout, answers it with an error its caller
+        repeats (polling); in a batch lane, a held run row first pauses it (MAX_SKIPS)."""
+        # See lane_locks.LOCK_TIMEOUT.
+        lock_wait = LOCK_TIMEOUT if not waiting else POLL_WAIT if w.held else FIRST_WAIT
         try:
             async with bounded(self._pool, seconds) as conn:
                 try:
                     # A poll of a held row asks first, in one statement that waits for nothing.
                     if w.held and w.run_id is not None and await still_held(conn, w.run_id):
                         raise _Held
-                    async with locking_briefly(conn, _runs([w])) as held:
+                    async with locking_briefly(conn, _runs([w]), lock_wait) as held:
+                        if held and not waiting and _pause(w):
+                            raise _Paused
                         if held:
                             raise _Held
                         result = await w.op(conn, w.tries)
+                except _Paused:
+                    self._requeue([w])
+                    return
                 except _Held:
                     answer(w, exc=held_error(f"run {w.run_id}'s row",
                                              psycopg.errors.LockNotAvailable("the row is locked")))
@@ -267,17 +291,17 @@ class CommitGroup:
         failed = False
         async with bounded(self._pool, seconds) as conn:
             try:
-                async with locking_briefly(conn, _runs(rest)) as held:
+                async with locking_briefly(conn, _runs(rest), LOCK_TIMEOUT) as held:
                     for w in rest:
-                        if w.run_id in held:
-                            w.alone = True  # its run row held: polls alone, not here
+                        if w.run_id in held and not _pause(w):
+                            w.alone = True  # its run row still held: polls alone, not here
                     if len(piped) > 1:
                         failed = bool(await self._pipelined(conn, piped, results))
                         if failed:
                             raise _Retry
                         piped_ok = len(results)
                     for w in rest:
-                        if w.done.done() or w.alone:
+                        if w.done.done() or w.alone or w.pause:
                             continue
                         try:
                             results.append((w, await w.op(conn, w.tries)))
@@ -395,6 +419,17 @@ class CommitGroup:
                     again.append(w)
             return again
         return []
+
+
+def _pause(w: Write) -> bool:
+    """A write found its run row held in a batch lane: pause it before it goes again in a
+    batch (True), as a skipped batch statement's write does (a heartbeat holds rows for
+    moments), or, past MAX_SKIPS, not (it goes alone and polls)."""
+    w.skips += 1
+    if w.skips > MAX_SKIPS:
+        return False
+    w.pause = SKIP_PAUSE * 2 ** (w.skips - 1)
+    return True
 
 
 def _runs(writes: list[Write]) -> list[uuid.UUID]:

@@ -15,14 +15,20 @@ from .db import BEGIN, COMMIT, ROLLBACK
 from .deadlines import transient
 from .errors import DatabaseTimeout
 
-__all__ = ["LOCK_TIMEOUT", "discard", "locked", "locking_briefly", "refused", "retryable",
-           "transiently", "unprepared"]
+__all__ = ["FIRST_WAIT", "LOCK_TIMEOUT", "POLL_WAIT", "discard", "held_error", "locked",
+           "locking_briefly", "refused", "retryable", "still_held", "transiently",
+           "unprepared"]
 
-# The longest a write in a lane waits for a lock other than its run row's (whose holder it
-# never waits for: BEGIN_WRITES): another transaction of the worker's on a shared row (a
-# tenant's usage rollup, ms), or a lock a tenant can hold (a serial key a spawn takes). A
-# usage write at 2 ms polled for seconds behind the worker's own batches (an attack).
-LOCK_TIMEOUT: Final = "100ms"
+# The longest a write waits for a lock other than its run row's (whose holder it never waits
+# for: BEGIN_WRITES): in a batch lane, LOCK_TIMEOUT; on its first try in a waiting lane,
+# FIRST_WAIT, long enough for another transaction of the worker's on a shared row (a tenant's
+# usage rollup rows, which the worker's own batches hold for moments: usage writes cut at 2 ms
+# there polled for seconds); when it polls, POLL_WAIT, so that a lock a tenant can hold (a
+# serial key a spawn takes) costs a waiting lane little (polls waiting 100 ms each, 40 such
+# writes kept both waiting lanes busy: an attack).
+LOCK_TIMEOUT: Final = "20ms"
+FIRST_WAIT: Final = "50ms"
+POLL_WAIT: Final = "2ms"
 # LOCK_TIMEOUT for the rest of the current transaction (not the session: safe behind a
 # transaction-mode pooler), and back to the session's own before its COMMIT: a notifying
 # commit waits for the NOTIFY queue's lock (every few ms under load), which a lock timeout
@@ -61,9 +67,9 @@ def unprepared(exc: BaseException | None) -> bool:
 
 
 @asynccontextmanager
-async def locking_briefly(conn: psycopg.AsyncConnection[Any], run_ids: list[uuid.UUID]
-                          ) -> AsyncIterator[set[uuid.UUID]]:
-    """A transaction whose statements wait at most LOCK_TIMEOUT for a lock (its COMMIT as long
+async def locking_briefly(conn: psycopg.AsyncConnection[Any], run_ids: list[uuid.UUID],
+                          lock_wait: str) -> AsyncIterator[set[uuid.UUID]]:
+    """A transaction whose statements wait at most `lock_wait` for a lock (its COMMIT as long
     as it must: see BEGIN_WRITES), with the rows of `run_ids` share-locked first, never
     waited for: it yields those another transaction holds (their writes must not go on here).
     On an error it is rolled back keeping the session's prepared statements: psycopg answers
@@ -72,8 +78,7 @@ async def locking_briefly(conn: psycopg.AsyncConnection[Any], run_ids: list[uuid
         # Two round trips besides the body's: BEGIN with BEGIN_WRITES, the reset with COMMIT.
         async with conn.pipeline():
             await conn.execute(BEGIN)
-            cur = await conn.execute(BEGIN_WRITES, {"timeout": LOCK_TIMEOUT,
-                                                    "run_ids": run_ids})
+            cur = await conn.execute(BEGIN_WRITES, {"timeout": lock_wait, "run_ids": run_ids})
             row = await cur.fetchone()
         existing, free = (row[1], row[2]) if row else ([], [])
         yield set(existing) - set(free)
