@@ -176,11 +176,14 @@ class CommitGroup:
             w = self._waiting.popleft()
             if not w.done.done():  # its caller gave up (cancelled): never sent
                 self._start([w], waiting=True)
+        now = asyncio.get_running_loop().time()
         while self._queue and self._inflight < MAX_INFLIGHT:
             batch: list[Write] = []
             while self._queue and len(batch) < MAX_BATCH:
                 w = self._queue.popleft()
-                if not w.done.done():
+                if w.deadline <= now:  # past it while it paused or waited: not sent
+                    answer(w, exc=DatabaseTimeout("the write did not go within its deadline"))
+                elif not w.done.done():
                     batch.append(w)
             if not batch:
                 return
@@ -204,8 +207,11 @@ class CommitGroup:
         self._kick()
 
     async def _flush(self, batch: list[Write], waiting: bool) -> None:
+        # Bounded by its latest deadline, not its earliest: a write near its own (back from
+        # its pauses) cut the whole batch short, and every other write in it went again (an
+        # attack); one whose deadline passes meanwhile is answered when the batch ends.
         loop = asyncio.get_running_loop()
-        left = max(min(w.deadline for w in batch) - loop.time(), 0.001)
+        left = max(max(w.deadline for w in batch) - loop.time(), 0.001)
         try:
             if len(batch) > 1:
                 await self._together(batch, left)
