@@ -42,6 +42,7 @@ SELECT set_config('lock_timeout', %(timeout)s, true),
 """
 RESET_LOCK_TIMEOUT: Final = "SET LOCAL lock_timeout TO DEFAULT"
 
+
 def refused(conn: psycopg.AsyncConnection[Any], exc: psycopg.Error) -> bool:
     """Did the server refuse a statement of a batch sent with its COMMIT (nothing committed:
     its writes may go again as first tries)? Anything else may come after the COMMIT: a cut
@@ -80,8 +81,7 @@ async def locking_briefly(conn: psycopg.AsyncConnection[Any], run_ids: list[uuid
             await conn.execute(BEGIN)
             cur = await conn.execute(BEGIN_WRITES, {"timeout": lock_wait, "run_ids": run_ids})
             row = await cur.fetchone()
-        existing, free = (row[1], row[2]) if row else ([], [])
-        yield set(existing) - set(free)
+        yield _held(row)
         async with conn.pipeline():
             await conn.execute(RESET_LOCK_TIMEOUT)
             await conn.execute(COMMIT)
@@ -104,19 +104,17 @@ def locked(exc: BaseException | None) -> bool:
     return isinstance(exc, psycopg.errors.LockNotAvailable)
 
 
-# Is the run row held by another transaction (a lock that conflicts with a fence's share
-# lock), while the run exists? A held-row poll's question: one statement in autocommit that
-# waits for nothing.
-STILL_HELD: Final = """
-SELECT EXISTS (SELECT 1 FROM runpool.runs WHERE id = %(run_id)s)
-   AND NOT EXISTS (SELECT 1 FROM runpool.runs WHERE id = %(run_id)s FOR SHARE SKIP LOCKED)
-"""
-
-
 async def still_held(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> bool:
-    cur = await conn.execute(STILL_HELD, {"run_id": run_id})
-    row = await cur.fetchone()
-    return bool(row and row[0])
+    """Is the run row held by another transaction, while the run exists? A held-row poll's
+    question: BEGIN_WRITES alone, in autocommit (its lock ends with it; it waits for nothing)."""
+    cur = await conn.execute(BEGIN_WRITES, {"timeout": POLL_WAIT, "run_ids": [run_id]})
+    return bool(_held(await cur.fetchone()))
+
+
+def _held(row: Any) -> set[uuid.UUID]:
+    """The runs of a BEGIN_WRITES row that exist but another transaction holds."""
+    existing, free = (row[1], row[2]) if row else ([], [])
+    return set(existing) - set(free)
 
 
 def held_error(what: str, cause: BaseException) -> DatabaseTimeout:
@@ -129,8 +127,8 @@ def held_error(what: str, cause: BaseException) -> DatabaseTimeout:
 
 
 def retryable(exc: Exception) -> Exception:
-    """A write's error as its caller gets it: _unprepared as transient, so the write is
-    repeated on another connection (this one is closed); _locked as a timeout, which its
+    """A write's error as its caller gets it: unprepared as transient, so the write is
+    repeated on another connection (this one is closed); locked as a timeout, which its
     caller repeats after a pause (polling for the row, out of the lanes) and raises at the
     write's deadline."""
     if locked(exc):
