@@ -1,15 +1,17 @@
 """Worker-side cancel notices: a NOTIFY (which proves nothing: any login can send one) is
 confirmed against the run's cancel flag in the database before the run's slot is told; a
-notice that overtakes the claim of its run waits for it a moment."""
+notice that overtakes the claim of its run waits for it a moment; and once notices flow again
+after a (re)connect, the runs that could have missed theirs read their flags."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
@@ -33,16 +35,20 @@ CONFIRM_SPACING = 0.1
 
 class Canceller:
     """Owned by one worker, on its event loop. It sees the worker only through what it is
-    handed: `lookup(run_id)`, the run's slot if it is in one; `pool()`, the worker's
-    connections once open (None before); `on_cancel(slot)`, called once the database confirms
-    the cancel of the slot's run."""
+    handed: `lookup(run_id)`, the run's slot if it is in one; `slots()`, all of them;
+    `pool()`, the worker's connections once open (None before); `on_cancel(slot)`, called once
+    the database confirms the cancel of the slot's run."""
 
     def __init__(self, *, lookup: Callable[[uuid.UUID], Slot | None],
+                 slots: Callable[[], Iterable[Slot]],
                  pool: Callable[[], AsyncConnectionPool | None],
                  on_cancel: Callable[[Slot], None]) -> None:
         self._lookup = lookup
+        self._slots = slots
         self._pool = pool
         self._on_cancel = on_cancel
+        # When notices last began to flow (monotonic; see on_listening).
+        self._listening_since = -math.inf
         # Cancel notices for runs not (yet) in a slot, by arrival time, oldest first.
         self._early: OrderedDict[uuid.UUID, float] = OrderedDict()
         # Runs whose cancel flag is being read; True: a notice came meanwhile, read once more.
@@ -63,9 +69,25 @@ class Canceller:
         while len(early) > EARLY_MAX or now - early[next(iter(early))] >= EARLY_SECONDS:
             early.popitem(last=False)
 
-    def on_start(self, run_id: uuid.UUID) -> None:
+    def on_start(self, run_id: uuid.UUID, sent: float) -> None:
+        """The run claimed by a claim sent at `sent` (monotonic) is in its slot now."""
         if self._early.pop(run_id, None) is not None:
             self._confirm_soon(run_id)
+        elif sent < self._listening_since:
+            # Claimed before notices flowed, in a slot only after on_listening's read: its
+            # cancel may have been requested while no one listened.
+            self._confirm_soon(run_id)
+
+    def on_listening(self) -> None:
+        """Notices flow from now on (the LISTEN is in, after a start or a reconnect): the
+        cancels requested while none could arrive are read from the flags, for every run in a
+        slot now (one read) and for those claimed before now that enter a slot later. Without
+        this, a run claimed before the worker's first LISTEN, or held across a reconnect,
+        learned of its cancel only from the heartbeat, seconds later."""
+        self._listening_since = time.monotonic()
+        slots = list(self._slots())
+        if slots:
+            self._background.spawn(self._confirm_all(slots))
 
     def _confirm_soon(self, run_id: uuid.UUID) -> None:
         """Read the run's cancel flag, at most one read in flight per run: a flood of notices
@@ -89,18 +111,27 @@ class Canceller:
 
     async def confirm(self, run_id: uuid.UUID) -> None:
         slot = self._lookup(run_id)
+        if slot is not None:
+            await self._confirm_all([slot])
+
+    async def _confirm_all(self, slots: list[Slot]) -> None:
+        """Tell each of `slots` still running whose run's flag says cancel: one read."""
         pool = self._pool()
-        if slot is None or pool is None or slot.stop_reason is not None:
+        slots = [slot for slot in slots if slot.stop_reason is None]
+        if pool is None or not slots:
             return
         # A NOTIFY proves nothing: the flag in the database decides.
         try:
             async with bounded(pool, 5) as conn:
                 cur = await conn.execute(QUERIES["read_cancel_flags"], {
-                    "ids": [slot.claimed.id], "attempts": [slot.claimed.attempt]})
-                flagged = await cur.fetchall()
+                    "ids": [slot.claimed.id for slot in slots],
+                    "attempts": [slot.claimed.attempt for slot in slots]})
+                flagged = {row[0] for row in await cur.fetchall()}
         except (psycopg.OperationalError, TimeoutError) as exc:
-            logger.warning("could not read the cancel flag (the heartbeat will): %s", exc,
-                           extra={"action": "cancel_check_failed", **slot.extra})
+            logger.warning("could not read the cancel flags (the heartbeat will): %s", exc,
+                           extra={"action": "cancel_check_failed", **slots[0].extra,
+                                  "runs": len(slots)})
             return
-        if flagged and self._lookup(run_id) is slot:
-            self._on_cancel(slot)
+        for slot in slots:
+            if slot.claimed.id in flagged and self._lookup(slot.claimed.id) is slot:
+                self._on_cancel(slot)

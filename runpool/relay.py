@@ -31,6 +31,8 @@ logger = logging.getLogger("runpool.relay")
 
 WAKE: Final = b"W"
 SCHEDULES: Final = b"S"
+# The relay (re)connected: notices sent while it was away are lost.
+LISTENING: Final = b"L"
 CANCEL: Final = b"C"
 # The relay's id on its log lines (a relay is no worker; this marks whose line it is).
 RELAY_ID: Final = uuid.UUID(int=0)
@@ -83,7 +85,7 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
     listener = Listener(
         listen_dsn, wake, lambda run_id: fanout.send(CANCEL + run_id.bytes),
         worker_id=RELAY_ID, on_schedules=lambda: fanout.send(SCHEDULES),
-        on_connect=lambda: fanout.send(SCHEDULES))
+        on_connect=lambda: fanout.send(LISTENING))
 
     async def wakes() -> None:
         # Wake-ups that arrive while one is being sent fold into the next: each worker claims
@@ -116,12 +118,13 @@ class RelayReader:
     from the worker's end of its socket pair (`fd`, inherited from the supervisor)."""
 
     def __init__(self, fd: int, wake: asyncio.Event, on_cancel: Callable[[uuid.UUID], None],
-                 *, worker_id: uuid.UUID, on_schedules: Callable[[], None] | None = None
-                 ) -> None:
+                 *, worker_id: uuid.UUID, on_schedules: Callable[[], None] | None = None,
+                 on_listening: Callable[[], None] | None = None) -> None:
         self._fd = fd
         self._wake = wake
         self._on_cancel = on_cancel
         self._on_schedules = on_schedules
+        self._on_listening = on_listening
         self._log = {"worker_id": str(worker_id)}
         # Set once reading (what a Listener sets once listening).
         self.connected = asyncio.Event()
@@ -140,11 +143,13 @@ class RelayReader:
         kind = data[:1]
         if kind == WAKE:
             self._wake.set()
-        elif kind == SCHEDULES:
-            # The relay (re)connected or a schedule changed: notices may have been missed.
+        elif kind in (SCHEDULES, LISTENING):
+            # A schedule changed, or the relay (re)connected and notices may have been missed.
             self._wake.set()
             if self._on_schedules is not None:
                 self._on_schedules()
+            if kind == LISTENING and self._on_listening is not None:
+                self._on_listening()
         elif kind == CANCEL and len(data) == 17:
             self._on_cancel(uuid.UUID(bytes=data[1:]))
         else:  # only the relay writes here; log, never fail, on what it cannot have sent

@@ -87,8 +87,8 @@ class Worker:
         # Bound on one claim transaction (normally milliseconds): a silent server must not
         # stall the loop for longer than a fraction of a lease.
         self._db_timeout = max(2.0, min(10.0, settings.lease_seconds / 3))
-        self.cancels = Canceller(lookup=self.slots.get, pool=lambda: self._pool,
-                                 on_cancel=self._cancel)
+        self.cancels = Canceller(lookup=self.slots.get, slots=lambda: self.slots,
+                                 pool=lambda: self._pool, on_cancel=self._cancel)
         self._side_failure: BaseException | None = None
         self._stop: asyncio.Event | None = None
         self._reserved = 0
@@ -152,13 +152,15 @@ class Worker:
             if s.listen and self._notices_fd is not None:
                 self.listener = RelayReader(
                     self._notices_fd, self._attention, self.cancels.on_notice,
-                    worker_id=self.id, on_schedules=self.scheduler.poke)
+                    worker_id=self.id, on_schedules=self.scheduler.poke,
+                    on_listening=self.cancels.on_listening)
                 side.append(asyncio.create_task(self.listener.run(), name="relay-reader"))
             elif s.listen:
                 self.listener = Listener(
                     s.listen_dsn or self.dsn, self._attention, self.cancels.on_notice,
                     worker_id=self.id,
                     on_schedules=self.scheduler.poke,
+                    on_connect=self.cancels.on_listening,
                 )
                 side.append(asyncio.create_task(self.listener.run(), name="listener"))
             for task in side:
@@ -336,7 +338,7 @@ class Worker:
         # The input is decoded in the slot: a value that cannot be fails this run only.
         assert self._runner is not None
         self._runner.start(c, sent)
-        self.cancels.on_start(c.id)
+        self.cancels.on_start(c.id, sent)
 
     # -- what the slots' other owners may ask of the worker -----------------------------------
 

@@ -16,6 +16,7 @@ import runpool
 from runpool.claiming import claim
 from runpool.db import aconnect, connect
 from runpool.queries import QUERIES
+from runpool.testing.proxy import Proxy
 from tests.helpers import (
     assert_invariants,
     events,
@@ -27,6 +28,9 @@ from tests.helpers import (
 )
 
 CANCEL = "SELECT runpool.cancel_run(%s, %s)"
+# Is a LISTEN connection up?
+LISTENERS = ("SELECT count(*) > 0 FROM pg_stat_activity WHERE datname = current_database()"
+             " AND query LIKE 'LISTEN runpool_wakeup%%'")
 
 
 def _running(conn: psycopg.Connection, run_id: uuid.UUID) -> bool:
@@ -106,6 +110,33 @@ def test_cancel_without_notify__arrives_through_the_heartbeat(
         scalar(conn, CANCEL, run_id, "stop")
         # Heartbeat every 0.5 s: well within one interval plus a second.
         wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=3, what="cancelled")
+    assert_invariants(conn, cancel_bound=15)
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["own_listener", "host_relay"])
+def test_cancel_sent_while_no_one_listens__read_from_the_flag_on_reconnect(
+        conn: psycopg.Connection, dsn: str, server_dsn: str, workers: int) -> None:
+    # The LISTEN connection (the worker's own, or the host relay's) is cut and cannot
+    # reconnect, while the claim's connection works: a run starts by a poll, and its cancel
+    # is requested while no one listens. A 90 s lease beats every 30 s: only the catch-up once
+    # the LISTEN is back can end the run within the wait below.
+    proxy = Proxy(server_dsn)
+    try:
+        with running_pool(dsn, workers=workers, lease_seconds=90, poll_seconds=0.5,
+                          listen_dsn=proxy.dsn(dsn)) as pool:
+            wait_for(lambda: scalar(conn, LISTENERS), what="listening")
+            proxy.down()
+            wait_for(lambda: "action=listen_connect_failed" in pool.log(),
+                     what="the LISTEN refused")
+            run_id = runpool.enqueue(conn, "acme", "hold")
+            wait_for(lambda: _running(conn, run_id), what="running")
+            assert scalar(conn, CANCEL, run_id, "no one listened") == "cancelling"
+            proxy.up()
+            wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=15,
+                     what="cancelled once listening again")
+    finally:
+        proxy.close()
+    assert run_row(conn, run_id)["cancel_reason"] == "no one listened"
     assert_invariants(conn, cancel_bound=15)
 
 
