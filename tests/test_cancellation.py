@@ -21,6 +21,7 @@ from tests.helpers import (
     assert_invariants,
     events,
     finish_params,
+    live_workers,
     run_row,
     running_pool,
     scalar,
@@ -124,7 +125,9 @@ def test_cancel_sent_while_no_one_listens__read_from_the_flag_on_reconnect(
     try:
         with running_pool(dsn, workers=workers, lease_seconds=90, poll_seconds=0.5,
                           listen_dsn=proxy.dsn(dsn)) as pool:
-            wait_for(lambda: scalar(conn, LISTENERS), what="listening")
+            # The workers too are up: each checks the LISTEN's server once at its start.
+            wait_for(lambda: scalar(conn, LISTENERS) and len(live_workers(conn)) == workers,
+                     what="listening, with every worker up")
             proxy.down()
             wait_for(lambda: "action=listen_connect_failed" in pool.log(),
                      what="the LISTEN refused")
