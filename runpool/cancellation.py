@@ -12,11 +12,12 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .deadlines import bounded
+from .deadlines import retrying
 from .queries import QUERIES
 from .slot import Slot
 from .tasks import Background
@@ -49,6 +50,9 @@ class Canceller:
         self._on_cancel = on_cancel
         # When notices last began to flow (monotonic; see on_listening).
         self._listening_since = -math.inf
+        # None: no catch-up read in flight; True: one is, and notices began to flow again
+        # since it started (read once more).
+        self._catching_up: bool | None = None
         # Cancel notices for runs not (yet) in a slot, by arrival time, oldest first.
         self._early: OrderedDict[uuid.UUID, float] = OrderedDict()
         # Runs whose cancel flag is being read; True: a notice came meanwhile, read once more.
@@ -85,9 +89,23 @@ class Canceller:
         this, a run claimed before the worker's first LISTEN, or held across a reconnect,
         learned of its cancel only from the heartbeat, seconds later."""
         self._listening_since = time.monotonic()
-        slots = list(self._slots())
-        if slots:
-            self._background.spawn(self._confirm_all(slots))
+        # One catch-up at a time: a LISTEN made to flap (a login terminating it as fast as it
+        # comes back) costs one more read after the one in flight, not one per reconnect.
+        if self._catching_up is not None:
+            self._catching_up = True
+            return
+        self._catching_up = False
+        self._background.spawn(self._catch_up())
+
+    async def _catch_up(self) -> None:
+        try:
+            while True:
+                await self._confirm_all(list(self._slots()))
+                if not self._catching_up:
+                    return
+                self._catching_up = False
+        finally:
+            self._catching_up = None
 
     def _confirm_soon(self, run_id: uuid.UUID) -> None:
         """Read the run's cancel flag, at most one read in flight per run: a flood of notices
@@ -120,17 +138,25 @@ class Canceller:
         slots = [slot for slot in slots if slot.stop_reason is None]
         if pool is None or not slots:
             return
-        # A NOTIFY proves nothing: the flag in the database decides.
+        params = {"ids": [slot.claimed.id for slot in slots],
+                  "attempts": [slot.claimed.attempt for slot in slots]}
+
+        async def read(conn: psycopg.AsyncConnection[Any], tries: int) -> set[uuid.UUID]:
+            cur = await conn.execute(QUERIES["read_cancel_flags"], params)
+            return {row[0] for row in await cur.fetchall()}
+
+        # A NOTIFY proves nothing: the flag in the database decides. Read again on another
+        # connection when one fails: a catch-up follows a reconnect, when the pool's
+        # connections are the likeliest to be dead too.
         try:
-            async with bounded(pool, 5) as conn:
-                cur = await conn.execute(QUERIES["read_cancel_flags"], {
-                    "ids": [slot.claimed.id for slot in slots],
-                    "attempts": [slot.claimed.attempt for slot in slots]})
-                flagged = {row[0] for row in await cur.fetchall()}
+            flagged = await retrying(pool, 5, read, what="cancel flags read")
         except (psycopg.OperationalError, TimeoutError) as exc:
-            logger.warning("could not read the cancel flags (the heartbeat will): %s", exc,
-                           extra={"action": "cancel_check_failed", **slots[0].extra,
-                                  "runs": len(slots)})
+            # One run's ids, or the worker's alone for several.
+            ids = (slots[0].extra if len(slots) == 1
+                   else {"worker_id": slots[0].extra.get("worker_id", "")})
+            logger.warning("could not read the cancel flags of %d runs (the heartbeat will): %s",
+                           len(slots), exc, extra={"action": "cancel_check_failed",
+                                                   "runs": len(slots), **ids})
             return
         for slot in slots:
             if slot.claimed.id in flagged and self._lookup(slot.claimed.id) is slot:

@@ -143,6 +143,31 @@ def test_cancel_sent_while_no_one_listens__read_from_the_flag_on_reconnect(
     assert_invariants(conn, cancel_bound=15)
 
 
+def test_cancel_during_a_database_outage__read_once_listening_again(
+        conn: psycopg.Connection, dsn: str, server_dsn: str) -> None:
+    # Every connection of the worker goes through the proxy, which resets and refuses them
+    # all for a moment (a restart, a failover, a network cut) while the run's cancel is
+    # requested. The catch-up read follows the LISTEN's reconnect, when the pool's
+    # connections are dead too: it must read again on a fresh one, not leave the cancel to
+    # the heartbeat (every 30 s with this lease).
+    proxy = Proxy(server_dsn)
+    try:
+        with running_pool(proxy.dsn(dsn), workers=1, lease_seconds=90, poll_seconds=0.5,
+                          pool_size=4) as pool:
+            run_id = runpool.enqueue(conn, "acme", "hold")
+            wait_for(lambda: _running(conn, run_id) and scalar(conn, LISTENERS),
+                     what="running, and listening")
+            proxy.down()
+            assert scalar(conn, CANCEL, run_id, "outage") == "cancelling"
+            wait_for(lambda: "action=listen_lost" in pool.log(), what="the LISTEN lost")
+            proxy.up()
+            wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=15,
+                     what="cancelled once listening again")
+    finally:
+        proxy.close()
+    assert_invariants(conn, cancel_bound=15)
+
+
 def test_cancel_while_the_worker_is_dead__ends_cancelled_not_reclaimed(
         conn: psycopg.Connection, dsn: str) -> None:
     run_id = runpool.enqueue(conn, "acme", "hold")
@@ -161,7 +186,9 @@ def test_cancel_while_the_worker_is_dead__ends_cancelled_not_reclaimed(
 def test_forged_notify__changes_nothing(conn: psycopg.Connection, dsn: str) -> None:
     run_id = runpool.enqueue(conn, "acme", "hold", {"seconds": 1.5})
     with running_pool(dsn) as pool:
-        wait_for(lambda: _running(conn, run_id), what="running")
+        # Listening: a notice sent before would be lost, and the test would check nothing.
+        wait_for(lambda: _running(conn, run_id) and scalar(conn, LISTENERS),
+                 what="running, and listening")
         conn.execute("SELECT pg_notify('runpool_cancel', %s)", (str(run_id),))
         conn.execute("SELECT pg_notify('runpool_cancel', 'not a uuid; DROP TABLE x')")
         wait_for(lambda: _status(conn, run_id) == "succeeded", what="run unaffected")

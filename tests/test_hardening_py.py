@@ -13,10 +13,11 @@ import pytest
 from psycopg.rows import dict_row
 
 import runpool
-from runpool.cancellation import EARLY_MAX
+from runpool.cancellation import EARLY_MAX, Canceller
 from runpool.claiming import ClaimedRun
 from runpool.listener import ClaimBudget
 from runpool.settings import Settings
+from runpool.slot import Slot
 from runpool.testing.hostile import (
     DEEP_JSON,
     POISON_INPUTS,
@@ -195,6 +196,33 @@ def test_forged_cancel_flood__constant_work_per_notice_and_capped_memory() -> No
     # Linear: 15,000 notices in well under a second (the old store, rebuilt per notice, took
     # tens of seconds and kept every id).
     assert asyncio.run(main()) < 1.0
+
+
+def test_flapping_listen__one_catch_up_read_in_flight_and_one_more_after_it() -> None:
+    """A login that terminates the LISTEN as fast as it comes back forces a reconnect each
+    time (attack14: ~8 a second); each would read the flags of every run the worker holds.
+    The reads are folded: the one in flight, and one more for the reconnects meanwhile."""
+    snapshots: list[int] = []
+
+    def slots() -> list[Slot]:
+        snapshots.append(1)  # one snapshot of the slots per catch-up read
+        return []
+
+    async def main() -> None:
+        canceller = Canceller(lookup=lambda run_id: None, slots=slots, pool=lambda: None,
+                              on_cancel=lambda slot: None)
+        async def settled() -> None:  # the catch-up tasks have ended
+            _, pending = await asyncio.wait(set(canceller._background._tasks), timeout=5)
+            assert not pending and canceller._catching_up is None
+
+        for _ in range(50):
+            canceller.on_listening()
+        await settled()
+        canceller.on_listening()  # the next reconnect, after: a read of its own
+        await settled()
+
+    asyncio.run(main())
+    assert len(snapshots) == 3
 
 
 def test_forged_notify_flood_from_a_bare_login__runs_keep_their_leases_and_cancels_work(
