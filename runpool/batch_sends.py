@@ -12,8 +12,11 @@ from typing import Any, Final, Protocol
 
 import psycopg
 
-__all__ = ["MAX_BATCH_BYTES", "MAX_SKIPS", "SKIP_PAUSE", "Op", "Statement", "Write", "answer",
-           "answers", "kinds", "send"]
+from .db import one_trip
+from .trips import Rows, Trip
+
+__all__ = ["MAX_BATCH_BYTES", "MAX_SKIPS", "SKIP_PAUSE", "TRIP_MAX_BYTES", "Op", "Statement",
+           "Write", "answer", "answers", "fits_trip", "kinds", "send", "send_all"]
 
 Op = Callable[[psycopg.AsyncConnection[Any], int], Awaitable[Any]]
 
@@ -39,6 +42,9 @@ class Statement(Protocol):
 # ~520 MB in one backend) goes as several statements, each a bounded cost; a larger write
 # goes alone.
 MAX_BATCH_BYTES: Final = 4 << 20
+# The most JSON a batch sent as a trip carries (fits_trip); a larger batch goes in psycopg's
+# pipeline. W11's writes are ~100 bytes each.
+TRIP_MAX_BYTES: Final = 256 << 10
 
 
 # A first try its batch statement skipped (its run row held: most often by a heartbeat, which
@@ -97,19 +103,50 @@ def kinds(piped: list[Write]) -> list[list[tuple[Write, Statement]]]:
     return [*(c for chunks in kinds.values() for c in chunks), *alone]
 
 
-async def send(conn: psycopg.AsyncConnection[Any], kind: list[tuple[Write, Statement]]
-                ) -> psycopg.AsyncCursor[Any]:
-    """Send the writes of one kind (_kinds): as their batch statement, or one alone."""
+async def send(conn: psycopg.AsyncConnection[Any] | Trip, kind: list[tuple[Write, Statement]]
+               ) -> Rows:
+    """Send the writes of one kind (_kinds): as their batch statement, or one alone (not in
+    a Trip, which takes only prepared statements' parameters: runpool.trips)."""
     first = kind[0][1]
     if first.batch is None:
+        assert not isinstance(conn, Trip)
         return await conn.execute(first.query, first.params)
     # A batchable write alone too: its batch statement skips a run row another transaction
     # holds, where its single statement would hold up the whole batch waiting for it.
     return await conn.execute(first.batch, first.batch_params([st.row for _, st in kind]))
 
 
+def fits_trip(batch: list[Write]) -> bool:
+    """Whether a batch may go as a trip (send_all): at most TRIP_MAX_BYTES of JSON. The
+    server keeps a simple query's statements, literals and all, until its end: large tool
+    results (64 of 1 MB) grew a backend by 386 MB as one trip, against the pipeline's one
+    statement of at most MAX_BATCH_BYTES at a time."""
+    return sum(len(w.statement.row) for w in batch
+               if w.statement is not None) <= TRIP_MAX_BYTES
+
+
+async def send_all(conn: psycopg.AsyncConnection[Any], batch: list[list[tuple[Write, Statement]]],
+                   *, trip: bool) -> list[Rows]:
+    """Send the kinds of a batch (kinds()) in one round trip, as one transaction, their
+    answers unread. `trip`: the session is a worker session (db.WORKER_SESSION, not behind a
+    transaction-mode pooler), and they go as one simple query of the statements it prepared
+    (runpool.trips), whose implicit transaction an error rolls back whole: psycopg's pipeline
+    costs ~35-55 us of client CPU a statement, and a W11 worker spent ~0.76 ms of CPU a
+    commit. Else a lone statement in autocommit, several with BEGIN and COMMIT behind one
+    Sync (db.one_trip)."""
+    if trip:
+        statements = Trip(conn)
+        sent = [await send(statements, kind) for kind in batch]
+        await statements.send()
+        return sent
+    if len(batch) == 1:
+        return [await send(conn, batch[0])]
+    async with one_trip(conn):
+        return [await send(conn, kind) for kind in batch]
+
+
 async def answers(conn: psycopg.AsyncConnection[Any], kind: list[tuple[Write, Statement]],
-                   cur: psycopg.AsyncCursor[Any], results: list[tuple[Write, Any]]) -> None:
+                  cur: Rows, results: list[tuple[Write, Any]]) -> None:
     """The answers of the writes of one kind sent by _send, into `results`."""
     if kind[0][1].batch is None:
         w, statement = kind[0]

@@ -69,7 +69,7 @@ class SlotRunner:
         # slot alive for the grace.
         self._lingering: dict[Slot, asyncio.TimerHandle] = {}
         # Checkpoint writes of all this worker's runs share commits under load.
-        self._commits = CommitGroup(pool)
+        self._commits = CommitGroup(pool, trips=not settings.stateless)
         # The worker's loop, taken at the first start (each asyncio.get_running_loop() asks
         # the OS for the process id on Python 3.11: ~0.6 us, six times per run).
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -4,7 +4,9 @@ for each statement, of statements the session prepared once (PREPARE name AS ...
 Why: psycopg's pipeline costs ~35-55 us of client CPU per statement (a Parse/Bind/Execute,
 parameter dumping and a result round each); an outcome batch with its refill is up to eleven.
 One string of quoted literals costs one send and one parse of the answers (callgrind, W1's
-batch of 10 with its refill, the whole client: 2.26 M -> 1.81 M instructions).
+batch of 10 with its refill, the whole client: 2.26 M -> 1.81 M instructions). A group
+commit's batch of checkpoint writes (runpool.commits) goes the same way: its batch statements
+(BATCHES) take the writes as one JSON literal.
 
 Semantics are the pinned pipeline's (db.one_trip, pinned=True): a multi-statement simple query
 in autocommit is one implicit transaction, so an error skips the rest and rolls it all back,
@@ -21,13 +23,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, LiteralString, Protocol
 
+import orjson
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.adapt import Buffer, Loader
+from psycopg.types.json import Jsonb
+
+from checkpoints.batch_sql import BATCH_FINISH, BATCH_INTENT, BATCH_MESSAGE
 
 from .queries import QUERIES
 
-__all__ = ["HOT", "Answer", "JsonText", "Rows", "Trip", "prepared_sql"]
+__all__ = ["BATCHES", "HOT", "Answer", "JsonText", "Rows", "Trip", "prepared_sql"]
 
 # The statements a trip runs prepared: the outcome batch's and the claim's.
 HOT: Final = ("finish_runs", "defer_serial_release", "lock_ended_serial_keys",
@@ -80,14 +86,20 @@ def prepared_sql(query: str) -> tuple[str, tuple[str, ...]]:
     return _PLACEHOLDER.sub(number, query), tuple(order)
 
 
-def _prepared(name: str) -> _Prepared:
-    sql, params = prepared_sql(QUERIES[name])
+def _prepared(name: str, query: str) -> _Prepared:
+    sql, params = prepared_sql(query)
     return _Prepared(f"runpool_{name}".encode(), params, sql)
 
 
-# By the statement's text, as the callers hold it (QUERIES' own strings: their hash is cached
-# and the lookup meets the same object, so finding a 3k-character statement costs nothing).
-_BY_TEXT: Final[dict[str, _Prepared]] = {QUERIES[n]: _prepared(n) for n in HOT}
+# The checkpoint writes' batch statements (a worker's group commit, runpool.commits), by name.
+BATCHES: Final = {"batch_message": BATCH_MESSAGE, "batch_intent": BATCH_INTENT,
+                  "batch_finish": BATCH_FINISH}
+# By the statement's text, as the callers hold it (the modules' own strings: their hash is
+# cached and the lookup meets the same object, so finding a 3k-character statement costs
+# nothing).
+_BY_TEXT: Final[dict[str, _Prepared]] = {
+    **{QUERIES[n]: _prepared(n, QUERIES[n]) for n in HOT},
+    **{query: _prepared(n, query) for n, query in BATCHES.items()}}
 _TUPLES_OK: Final = psycopg.pq.ExecStatus.TUPLES_OK
 _LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)"
 
@@ -137,8 +149,8 @@ class Trip:
 
     async def execute(self, query: LiteralString, params: Mapping[str, Any] | None = None
                       ) -> Answer:
-        """Queue a statement: a hot one (HOT) by its prepared name, any other only without
-        parameters (as its text, a single statement)."""
+        """Queue a statement: a hot one (HOT, BATCHES) by its prepared name, any other only
+        without parameters (as its text, a single statement)."""
         prepared = _BY_TEXT.get(query)
         if prepared is None:
             if params:
@@ -159,11 +171,25 @@ class Trip:
         says); untyped, so the prepared parameter's type parses it, as it would a parameter."""
         if value is None:
             return b"NULL"
+        if isinstance(value, Jsonb):
+            return self._json_literal(value)
         text = _text(value)
         if "\x00" in text:
             # libpq's escaping stops at a NUL: the value would arrive cut short.
             raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
         return self._escaping.escape_literal(text.encode(self._encoding))
+
+    def _json_literal(self, value: Jsonb) -> bytes:
+        """A Jsonb parameter's JSON text as a literal: encoded by its own dumps (a batch's
+        rows come as the bytes the callers encoded, never encoded again), else by orjson.
+        Bytes go as they are, as psycopg's Jsonb dumper sends them."""
+        data = value.dumps(value.obj) if value.dumps is not None else orjson.dumps(value.obj)
+        if isinstance(data, str):
+            data = data.encode(self._encoding)
+        data = bytes(data)
+        if b"\x00" in data:
+            raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+        return self._escaping.escape_literal(data)
 
     async def send(self) -> None:
         """Send the queued statements as one query and read every answer. A session whose

@@ -1,0 +1,84 @@
+"""A group commit's batches as trips (runpool.batch_sends.send_all): on worker sessions one
+simple query of the batch statements they prepared, their JSON as one literal; behind a
+transaction-mode pooler, psycopg's pipeline. What each write stores is the same either way."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from runpool.commits import MAX_INFLIGHT, CommitGroup
+from runpool.context import Run
+from runpool.db import connect, open_pool
+from runpool.enqueue import RunSpec, enqueue_many
+
+# The runs as a worker holds them (attempt 1), as runpool.harness.turn_cost does.
+HOLD = """
+UPDATE runpool.runs SET status = 'running', attempt = 1, started_at = now(),
+       lease_expires_at = now() + interval '1 hour'
+WHERE id = ANY(%s)
+"""
+# The batch statements a session prepared (the trips' names, runpool.trips.BATCHES).
+PREPARED = "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'runpool_batch_%'"
+# Contents a tenant may send: quotes, backslashes, SQL, escapes, non-ASCII, deep nesting.
+HOSTILE: list[Any] = [
+    "it's", "\\", "\\\\'", "'); DROP TABLE runpool.runs; --", "$$", "E'\\x41'", "\u00e9\u4e2d",
+    "\U0001f600", {"'": "\\\"", "k\\": ["\t\n\r"]}, [[[[["deep"]]]]], None, 1e308, -0.0, "",
+    "%(rows)s", "%s", "$1",
+]
+
+
+def _held(dsn: str, n: int) -> list[uuid.UUID]:
+    with connect(dsn, autocommit=True) as conn:
+        ids = enqueue_many(conn, [RunSpec("acme", "agent", {})] * n)
+        conn.execute(HOLD, (ids,))
+        return ids
+
+
+async def _write_all(dsn: str, ids: list[uuid.UUID], *, trips: bool) -> tuple[int, int]:
+    """Every run writes each HOSTILE content as a message, all at once through one group;
+    the group's commits, and how many pool sessions prepared the batch statements."""
+    size = MAX_INFLIGHT + 1
+    pool: AsyncConnectionPool = await open_pool(dsn, size=size, name="commit-trips")
+    try:
+        group = CommitGroup(pool, trips=trips)
+
+        async def agent(run_id: uuid.UUID) -> None:
+            run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={},
+                      pool=pool, commits=group)
+            for content in HOSTILE:
+                await run.add_message("assistant", content)
+
+        await asyncio.wait_for(asyncio.gather(*(agent(r) for r in ids)), 60)
+        # Every session of the pool at once, each asked what it prepared.
+        conns = [await pool.getconn(timeout=10) for _ in range(size)]
+        try:
+            prepared = [(await (await c.execute(PREPARED)).fetchone() or (0,))[0]
+                        for c in conns]
+        finally:
+            for c in conns:
+                await pool.putconn(c)
+        return group.commits, sum(1 for n in prepared if n)
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("trips", [True, False], ids=["trips", "pipeline"])
+def test_batches__as_trips_on_worker_sessions__store_what_each_write_said(
+        dsn: str, trips: bool) -> None:
+    ids = _held(dsn, 40)
+    commits, sessions = asyncio.run(_write_all(dsn, ids, trips=trips))
+    writes = len(ids) * len(HOSTILE)
+    assert commits < writes / 4, (commits, writes)  # batched
+    # Trips prepare the batch statements on the sessions that sent them; the pipeline never.
+    assert (sessions > 0) is trips, sessions
+    with connect(dsn, autocommit=True) as conn:
+        for run_id in ids:
+            stored = [content for (content,) in conn.execute(
+                "SELECT content FROM runpool.messages WHERE run_id = %s ORDER BY seq",
+                (run_id,))]
+            assert stored == HOSTILE
