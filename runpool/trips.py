@@ -211,9 +211,18 @@ class Trip:
         cur = self.connection.cursor()
         cur.adapters.register_loader("jsonb", JsonText)
         # No parameters, text results, not in a pipeline, prepare=False: psycopg sends it with
-        # the simple protocol (PQsendQuery), which runs several statements; prepare=False also
-        # keeps psycopg from counting (and preparing) each distinct string.
-        await cur.execute(query, prepare=False)
+        # the simple protocol (PQsendQuery), which runs several statements. prepare=False does
+        # not keep psycopg from counting a query of one result in its per-connection cache of
+        # strings: a trip of one statement (a lone write's, its JSON inline) would stay there,
+        # up to 100 distinct strings of up to ~0.5 MB a connection, and push the statements
+        # it should prepare out of it (attack15). With no threshold it neither counts nor looks.
+        conn = self.connection
+        threshold = conn.prepare_threshold
+        conn.prepare_threshold = None
+        try:
+            await cur.execute(query, prepare=False)
+        finally:
+            conn.prepare_threshold = threshold
         last = len(self._answers) - 1
         for i, answer in enumerate(self._answers):
             # (The result's status, not cur.description: that builds a Column per column of
