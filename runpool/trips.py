@@ -97,9 +97,13 @@ BATCHES: Final = {"batch_message": BATCH_MESSAGE, "batch_intent": BATCH_INTENT,
 # By the statement's text, as the callers hold it (the modules' own strings: their hash is
 # cached and the lookup meets the same object, so finding a 3k-character statement costs
 # nothing).
-_BY_TEXT: Final[dict[str, _Prepared]] = {
-    **{QUERIES[n]: _prepared(n, QUERIES[n]) for n in HOT},
-    **{query: _prepared(n, query) for n, query in BATCHES.items()}}
+_HOT: Final[dict[str, _Prepared]] = {QUERIES[n]: _prepared(n, QUERIES[n]) for n in HOT}
+# The batch statements, prepared apart, by the first trip that sends one: a session that
+# prepared them as it opened would wait there for any lock on messages or tool_calls (an
+# operator's ALTER TABLE), and with it the worker's claims and heartbeats.
+_BATCHES: Final[dict[str, _Prepared]] = {
+    query: _prepared(n, query) for n, query in BATCHES.items()}
+_BY_TEXT: Final[dict[str, _Prepared]] = {**_HOT, **_BATCHES}
 _TUPLES_OK: Final = psycopg.pq.ExecStatus.TUPLES_OK
 _LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)"
 
@@ -108,6 +112,8 @@ _LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s
 # restart, say) prepares again.
 _sessions: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], str] = (
     weakref.WeakKeyDictionary())
+# Sessions that prepared the batch statements too.
+_batch_sessions: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 
 
 class Answer:
@@ -134,7 +140,7 @@ class Trip:
     serves both), sent as one simple query by send(). jsonb columns come back as JSON text
     (JsonText): the claim's inputs are decoded in each run's slot."""
 
-    __slots__ = ("_answers", "_encoding", "_escaping", "_parts", "connection")
+    __slots__ = ("_answers", "_batches", "_encoding", "_escaping", "_parts", "connection")
 
     def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         if not conn.autocommit:
@@ -146,6 +152,8 @@ class Trip:
         self._escaping = psycopg.pq.Escaping(conn.pgconn)
         self._parts: list[bytes] = []
         self._answers: list[Answer] = []
+        # Whether a batch statement is among them (prepared apart, see _BATCHES).
+        self._batches = False
 
     async def execute(self, query: LiteralString, params: Mapping[str, Any] | None = None
                       ) -> Answer:
@@ -158,6 +166,7 @@ class Trip:
             self._parts.append(query.encode(self._encoding))
         elif prepared.params:
             assert params is not None
+            self._batches = self._batches or query in _BATCHES
             self._parts.append(b"EXECUTE %b(%b)" % (prepared.name, b",".join(
                 [self._literal(params[p]) for p in prepared.params])))
         else:
@@ -199,12 +208,16 @@ class Trip:
             return
         conn = self.connection
         if conn not in _sessions:
-            await _prepare(conn)
+            await _prepare(conn, _HOT)
+            _sessions[conn] = _encoding(conn)
+        if self._batches and conn not in _batch_sessions:
+            await _prepare(conn, _BATCHES)
+            _batch_sessions.add(conn)
         query = b";\n".join(self._parts)
         try:
             await self._send(query)
         except pg_errors.InvalidSqlStatementName:
-            await _prepare(conn)
+            await _prepare(conn, _BY_TEXT if self._batches else _HOT)
             await self._send(query)
 
     async def _send(self, query: bytes) -> None:
@@ -274,16 +287,15 @@ def _encoding(conn: psycopg.AsyncConnection[Any]) -> str:
     return "utf-8" if encoding == "ascii" else encoding
 
 
-async def _prepare(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Prepare the HOT statements the session lacks (all on a new session, after DISCARD ALL
-    all, after a DEALLOCATE that one) and remember it has them. Asked, not assumed: a PREPARE
-    whose answer was lost (its task cancelled) may have run, and a second would fail."""
-    names = [p.name.decode() for p in _BY_TEXT.values()]
+async def _prepare(conn: psycopg.AsyncConnection[Any], which: dict[str, _Prepared]) -> None:
+    """Prepare those of `which` the session lacks (all on a new session, after DISCARD ALL
+    all, after a DEALLOCATE that one). Asked, not assumed: a PREPARE whose answer was lost
+    (its task cancelled) may have run, and a second would fail."""
+    names = [p.name.decode() for p in which.values()]
     cur = await conn.execute(_LIST_OURS, (names,))
     have = {name for (name,) in await cur.fetchall()}
-    # Fixed names and queries.sql's static text: no user data in this string.
+    # Fixed names and the modules' static text: no user data in this string.
     prepare = ";\n".join(f"PREPARE {p.name.decode()} AS {p.sql}"
-                         for p in _BY_TEXT.values() if p.name.decode() not in have)
+                         for p in which.values() if p.name.decode() not in have)
     if prepare:
         await conn.execute(prepare.encode(), prepare=False)
-    _sessions[conn] = _encoding(conn)

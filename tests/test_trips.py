@@ -21,7 +21,7 @@ from runpool.claiming import ClaimedRun, PendingClaim, Statements, claim, claim_
 from runpool.db import aconnect, open_pool
 from runpool.outcomes import OutcomeWriter, finish_params, from_result
 from runpool.queries import QUERIES
-from runpool.trips import BATCHES, HOT, Trip, prepared_sql
+from runpool.trips import HOT, Trip, prepared_sql
 
 from .helpers import claim_cancelled_after, run_row
 
@@ -105,7 +105,7 @@ def test_trip__hostile_names_inputs_and_results_arrive_unchanged(
             await pool.close()
 
     claimed, statuses, prepared = asyncio.run(main())
-    assert prepared == len(HOT) + len(BATCHES)  # the trip path: the session prepared them
+    assert prepared == len(HOT)  # the trip path it was: the session prepared the statements
     assert sorted(r.id for r in claimed) == sorted(runs)
     for run in claimed:
         i = runs[run.id]
@@ -246,7 +246,7 @@ def test_trip__a_session_that_lost_its_statements_prepares_them_again(
 
     got, prepared = asyncio.run(main())
     assert sorted(got) == sorted(ids)
-    assert prepared == len(HOT) + len(BATCHES)
+    assert prepared == len(HOT)
 
 
 def test_trip__a_stateless_session_keeps_the_pipeline_and_prepares_nothing(
