@@ -125,10 +125,8 @@ class CommitGroup:
     """One per worker: checkpoint writes of all its runs, committed in groups under load."""
 
     def __init__(self, pool: AsyncConnectionPool, *, trips: bool = True) -> None:
-        """`trips`: the pool's sessions are worker sessions (db.WORKER_SESSION, not behind a
-        transaction-mode pooler), and a batch of first tries goes as one simple query of the
-        statements they prepared (runpool.trips): psycopg's pipeline costs ~35-55 us of
-        client CPU a statement, and W11's worker spent ~0.76 ms of CPU a commit."""
+        """`trips`: the pool's sessions are worker sessions (not behind a transaction-mode
+        pooler), and a batch of first tries goes as a trip (batch_sends.send_all)."""
         self._pool = pool
         self._trips = trips
         # First tries, batched in MAX_INFLIGHT lanes; and the writes that may wait for a held
@@ -371,8 +369,8 @@ class CommitGroup:
         self._kick()
 
     async def _one_trip(self, batch: list[Write], seconds: float) -> None:
-        """A batch of first tries (each a Statement) in one round trip: BEGIN, its statements
-        (a batch statement per kind) and COMMIT behind one Sync, then their answers read.
+        """A batch of first tries (each a Statement) in one round trip and one transaction (a
+        batch statement per kind, batch_sends.send_all), then their answers read.
         If the database failed one, nothing was committed: the writes go again one by one."""
         async with bounded(self._pool, seconds) as conn:
             sent: list[tuple[list[tuple[Write, Statement]], Rows]] = []
