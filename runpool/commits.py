@@ -242,9 +242,9 @@ class CommitGroup:
         results: list[tuple[Write, Any]] = []
         async with bounded(self._pool, seconds) as conn:
             try:
-                # Not as a trip: for one statement psycopg's prepared one costs less (W7, a
-                # run's lone writes: p50 2.6 -> 3.0 ms and 18 % more client CPU as trips).
-                (cur,) = await send_all(conn, [kind], trip=False)
+                # Not as a trip (send_all): for one statement psycopg's prepared one costs
+                # less (W7, a run's lone writes: p50 2.6 -> 3.0 ms, 18 % more client CPU).
+                cur = await send(conn, kind)
                 self.statements += 1
                 await answers(conn, kind, cur, results)
             except Exception as exc:
