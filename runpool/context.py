@@ -16,7 +16,8 @@ from checkpoints import Message
 from . import costs, telemetry
 from .attempt import TURN_ROLE
 from .db import jsonb, loads
-from .errors import InvalidInput, UsageError
+from .errors import UsageError
+from .limits import check_name
 from .progress import encode as encode_progress
 from .toolcalls import ToolCalls, ToolFn
 from .waits import WaitMethods
@@ -24,6 +25,9 @@ from .waits import WaitMethods
 __all__ = ["Run", "ToolFn"]
 
 T = TypeVar("T")
+
+# The longest message role (the messages table's check).
+ROLE_MAX_LENGTH = 64
 
 
 class Run(ToolCalls, WaitMethods):
@@ -39,8 +43,7 @@ class Run(ToolCalls, WaitMethods):
 
     async def add_message(self, role: str, content: Any) -> Message:
         """Commit one message to the conversation (fenced by the lease)."""
-        if not isinstance(role, str) or not 1 <= len(role) <= 64 or "\x00" in role:
-            raise InvalidInput("message role must be 1 to 64 characters, without NUL")
+        check_name(role, "message role", ROLE_MAX_LENGTH)
         data = self._encode(content, "message content")
         pool = self._writable()
 

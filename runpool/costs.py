@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from .db import loads, translate_error
 from .deadlines import bounded
 from .errors import BudgetExceeded, InvalidInput, LeaseLost
-from .limits import NAME_MAX_LENGTH
+from .limits import check_name
 from .tasks import finish_anyway
 
 __all__ = ["LIMITS", "Usage", "acquire", "check", "decode", "recorder"]
@@ -130,9 +130,7 @@ def recorder(*, run_id: uuid.UUID, attempt: int, write: str, input_tokens: int,
 
 
 def _key(key: Any, units: Any) -> None:
-    if not isinstance(key, str) or not 1 <= len(key) <= NAME_MAX_LENGTH or "\x00" in key:
-        raise InvalidInput(f"acquire: key must be 1 to {NAME_MAX_LENGTH} characters,"
-                           " without NUL")
+    check_name(key, "acquire: key")
     if isinstance(units, bool) or not isinstance(units, int | float) \
             or not math.isfinite(units) or units <= 0:
         raise InvalidInput(f"acquire: units must be a finite number > 0, got {units!r}")

@@ -34,6 +34,7 @@ __all__ = [
     "loads_exact",
     "one_trip",
     "open_pool",
+    "require_utf8",
     "translate_error",
 ]
 
@@ -47,6 +48,10 @@ KEEPALIVES: dict[str, Any] = {
     "keepalives_interval": 3,
     "keepalives_count": 3,
     "tcp_user_timeout": 30_000,
+    # runpool's JSON is UTF-8 bytes, sent as they are: under another client encoding (a
+    # PGCLIENTENCODING=LATIN1 in a worker's environment, say) the server would read them as
+    # that encoding and store mojibake. The server converts to the database's encoding.
+    "client_encoding": "UTF8",
 }
 # Seconds a new connection may take to be established (psycopg's default is 130 s): one
 # started while the network is silent (a listener's or a pool's reconnect) would otherwise
@@ -60,6 +65,21 @@ def _options(dsn: str, connect_timeout: int | None = None) -> dict[str, Any]:
                                     or os.environ.get("PGCONNECT_TIMEOUT")):
         return dict(KEEPALIVES)
     return {**KEEPALIVES, "connect_timeout": connect_timeout or CONNECT_TIMEOUT}
+
+
+# Client encodings a caller's connection may have: UTF8, and SQL_ASCII (bytes pass unconverted).
+_UTF8_CLIENT: Final = ("UTF8", "SQL_ASCII")
+
+
+def require_utf8(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Refuse a caller's connection whose client encoding is not UTF-8: runpool sends its JSON
+    as UTF-8 bytes and decodes what it reads as UTF-8, so under LATIN1, say, an input would be
+    stored as mojibake and a result read back would not decode. (runpool's own connections
+    are opened with client_encoding UTF8.)"""
+    encoding = conn.info.parameter_status("client_encoding")
+    if encoding is not None and encoding not in _UTF8_CLIENT:
+        raise UsageError(f"runpool reads and writes UTF-8: this connection's client_encoding is"
+                         f" {encoding} (connect with client_encoding=UTF8)")
 
 
 def connection_options(dsn: str) -> dict[str, Any]:
@@ -119,12 +139,26 @@ def application_name(role: str) -> str:
     return f"{role}@{socket.gethostname()}"[:63]
 
 
+# Values orjson writes itself, holding no Fragment: their text needs no second look.
+_PLAIN: Final = (str, int, float, bool, type(None))
+
+
 def dumps(value: Any) -> bytes:
     """Serialise a JSON value, refusing what PostgreSQL's jsonb cannot store."""
     try:
         data = orjson.dumps(value)
     except TypeError as exc:
         raise InvalidInput(f"not JSON-serialisable: {exc}") from None
+    # An orjson.Fragment is spliced in as it is, unchecked: text that is not one JSON value
+    # (say `1},{"run_id": ...`) would carry writes for another run into a batch's JSON array
+    # (checkpoints.store._row). One parse of the text refuses it; the parse costs ~1 us for a
+    # message of a few hundred bytes (~0.4 ms a MB), and only values holding a container or a
+    # Fragment pay it, since orjson cannot say whether one is inside.
+    if not isinstance(value, _PLAIN):
+        try:
+            orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidInput(f"not one JSON value (an orjson.Fragment?): {exc}") from None
     # jsonb rejects \u0000; catching it here keeps the caller's transaction intact.
     if b"\\u0000" in data and _NUL_ESCAPE.search(data):
         raise InvalidInput("JSON text contains a NUL character (\\u0000), which jsonb rejects")

@@ -16,8 +16,9 @@ import psycopg
 from psycopg import pq
 from psycopg.rows import tuple_row
 
-from .db import dumps, jsonb, translate_error
+from .db import dumps, jsonb, require_utf8, translate_error
 from .errors import InvalidInput
+from .limits import check_text
 from .telemetry import RUN_ID, enqueue_traceparent
 
 __all__ = ["RunSpec", "enqueue", "enqueue_async", "enqueue_many"]
@@ -38,19 +39,6 @@ ENQUEUE_MANY: Final = "SELECT id FROM runpool.enqueue_many(%s) AS id"
 # 6,400 entries by default): thousands of keys in one open transaction would fill it, and every
 # session would then fail "out of shared memory" (README: Serial keys).
 MAX_SERIAL_KEYS: Final = 1000
-
-
-def _check_text(name: str, value: object) -> None:
-    """Text PostgreSQL can store: no NUL, and valid UTF-8 (a lone surrogate is not)."""
-    if not isinstance(value, str):
-        return
-    if "\x00" in value:
-        raise InvalidInput(f"{name} contains a NUL (0x00) character")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidInput(f"{name} is not valid UTF-8 text: {exc.reason} at position"
-                           f" {exc.start}") from None
 
 
 # PostgreSQL's integer: the type enqueue's priority and max_attempts are. psycopg sends a
@@ -92,7 +80,9 @@ class RunSpec:
         """What psycopg or jsonb could not carry to the database faithfully (its own checks,
         for one run or a batch alike, are runpool.enqueue's and enqueue_many's)."""
         for name in ("tenant", "handler", "idempotency_key", "traceparent", "serial_key"):
-            _check_text(name, getattr(self, name))
+            value = getattr(self, name)
+            if isinstance(value, str):  # other types are runpool.enqueue's to refuse
+                check_text(name, value)
         _check_int("priority", self.priority)
         _check_int("max_attempts", self.max_attempts)
 
@@ -153,6 +143,7 @@ def _rows(conn: psycopg.Connection[Any], query: str, params: Any) -> list[tuple[
     (psycopg's transaction()), so a refusal, or an interruption while the answer is on its way,
     rolls back only the call and leaves that transaction usable. Rows are tuples whatever
     conn's row factory is."""
+    require_utf8(conn)
     try:
         if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
             return conn.cursor(row_factory=tuple_row).execute(query, params).fetchall()
@@ -177,6 +168,7 @@ async def _arows(conn: psycopg.AsyncConnection[Any], query: str, params: Any
     RELEASE behind one Sync), is what keeps a task cancelled after the server ended the call
     from leaving the run in the caller's transaction, and concurrent tasks sharing conn from
     interleaving their statements in one pipeline (tests/test_attack3_enqueue.py)."""
+    require_utf8(conn)
     async with _ASYNC_CALLS.setdefault(conn, asyncio.Lock()):
         # The status with no other task's statement in flight (psycopg holds conn.lock
         # through each): ACTIVE would say nothing of the transaction.

@@ -18,6 +18,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
+from .db import require_utf8
 from .deadlines import sever
 from .errors import UsageError
 
@@ -50,6 +51,7 @@ Answer = tuple[Any, ...] | None | psycopg.OperationalError
 def idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
     """Waiting inside the caller's transaction would hold it open (and its LISTEN would only
     take effect at its commit): refused."""
+    require_utf8(conn)
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise UsageError("wait and follow need a connection outside any transaction: they"
                          " hold none open while they wait (commit or roll back first)")

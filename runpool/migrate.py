@@ -16,7 +16,7 @@ from typing import Any, Final, LiteralString, cast
 import psycopg
 from psycopg import sql
 
-from .errors import SchemaOutOfDate, UnsafeSchema
+from .errors import SchemaOutOfDate, UnsafeSchema, UsageError
 
 __all__ = [
     "Migration", "applied_versions", "check", "check_owner", "migrate", "migrations",
@@ -28,6 +28,9 @@ logger = logging.getLogger("runpool.migrate")
 MIGRATIONS_DIR: Final[Traversable] = files("runpool") / "migrations"
 _NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
+# Database encodings runpool's text fits in: UTF8, and SQL_ASCII (which stores bytes as sent,
+# and runpool sends UTF-8).
+SERVER_ENCODINGS: Final = ("UTF8", "SQL_ASCII")
 # Serialises migrators across hosts: the second waits, then finds nothing left to do.
 LOCK_MIGRATIONS: Final = "SELECT pg_advisory_xact_lock(7370720115)"
 # Creates what migrations are recorded in.
@@ -105,6 +108,7 @@ def pending(conn: psycopg.Connection[Any]) -> list[Migration]:
 
 def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
     """Apply what is missing, all in one transaction; returns what was applied."""
+    check_encoding(conn)
     with conn.transaction():
         conn.execute(LOCK_MIGRATIONS)
         check_owner(conn)
@@ -117,6 +121,17 @@ def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
     warn_old_pools(conn)
     warn_public_connect(conn)
     return todo
+
+
+def check_encoding(conn: psycopg.Connection[Any]) -> None:
+    """Refuse a database that cannot hold every run's text: runs, messages and results are
+    any Unicode text, and a LATIN1 database, say, fails a write with a character outside it
+    (the migrations themselves hold some)."""
+    encoding = conn.info.parameter_status("server_encoding")
+    if encoding not in SERVER_ENCODINGS:
+        raise UsageError(
+            f"database {conn.info.dbname} is encoded {encoding}: runpool needs a UTF8 database"
+            " (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)")
 
 
 def warn_public_connect(conn: psycopg.Connection[Any]) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Final
 import psycopg
 from psycopg import errors as pg_errors
 
-from .db import dumps, jsonb, translate_error
+from .db import dumps, jsonb, require_utf8, translate_error
 from .errors import InvalidInput
 
 __all__ = ["resolve_tool_call"]
@@ -31,6 +31,7 @@ def resolve_tool_call(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, ca
     the run is another tenant's). Then `retry_run` puts a failed run back in the queue."""
     if (result is _UNSET) == (not retry):
         raise InvalidInput("resolve_tool_call: give either result=... or retry=True")
+    require_utf8(conn)
     try:
         row = conn.execute(RESOLVE, {
             "run_id": str(run_id), "call_id": call_id, "retry": retry, "tenant": tenant,

@@ -22,7 +22,7 @@ from .attempt import Attempt
 from .db import dumps, jsonb, loads
 from .deadlines import transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
-from .limits import NAME_MAX_LENGTH
+from .limits import check_name
 from .tasks import finish_anyway
 
 __all__ = ["ToolCalls", "ToolFn"]
@@ -61,11 +61,8 @@ class ToolCalls(Attempt):
           sees the failure; so is a result that cannot be stored (not JSON, NUL characters, or
           over RUNPOOL_MAX_MESSAGE_BYTES).
         """
-        for what, value in (("call_id", call_id), ("name", name)):
-            if not isinstance(value, str) or not 1 <= len(value) <= NAME_MAX_LENGTH \
-                    or "\x00" in value:
-                raise InvalidInput(
-                    f"tool {what} must be 1 to {NAME_MAX_LENGTH} characters, without NUL")
+        check_name(call_id, "tool call_id")
+        check_name(name, "tool name")
         args = self._encode(arguments, "tool arguments")
         committed_args = loads(args)
         prior = self._calls.get(call_id)

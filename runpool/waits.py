@@ -21,10 +21,10 @@ from typing import Any, Final, Protocol, TypeVar
 import psycopg
 
 from . import faults, telemetry
-from .db import dumps, jsonb, loads_exact, translate_error
+from .db import dumps, jsonb, loads_exact, require_utf8, translate_error
 from .enqueue import RunSpec
 from .errors import InvalidInput, LeaseLost, UsageError, WaitTimeout
-from .limits import NAME_MAX_LENGTH
+from .limits import check_name
 from .live import RunResult
 
 __all__ = ["Suspended", "WaitAnswer", "WaitMethods", "Waits", "signal_run"]
@@ -77,12 +77,6 @@ class WaitAnswer:
     until: datetime | None
     # Of a sleep short enough to sleep in the slot.
     seconds_left: float | None
-
-
-def check_name(name: object, what: str) -> str:
-    if not isinstance(name, str) or not 1 <= len(name) <= NAME_MAX_LENGTH or "\x00" in name:
-        raise InvalidInput(f"{what} must be 1 to {NAME_MAX_LENGTH} characters, without NUL")
-    return name
 
 
 def check_seconds(value: object, what: str, *, optional: bool) -> float | None:
@@ -189,6 +183,7 @@ def signal_run(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, name: str
     run's terminal status (nothing stored), or None for no such run (or another tenant's).
     Commits at once on an autocommit connection; inside the caller's transaction otherwise."""
     check_name(name, "signal name")
+    require_utf8(conn)
     try:
         key = uuid.UUID(str(run_id))
     except ValueError:

@@ -8,6 +8,8 @@ import os
 import time
 from typing import Any
 
+import orjson
+
 import runpool
 from runpool.testing import record_execution
 
@@ -87,6 +89,8 @@ def _lookup_tool(run: runpool.Run) -> Any:
             return {"text": "a\x00b"}
         if run.input.get("surrogate_in_result"):
             return {"text": "a\ud800b"}  # a lone surrogate: not valid Unicode text
+        if run.input.get("fragment_in_result"):  # text spliced in unchecked by orjson
+            return {"text": orjson.Fragment(run.input["fragment_in_result"].encode())}
         time.sleep(float(run.input.get("tool_seconds", 0)))
         return {"found": arguments["i"] * 10, **run.input.get("extra", {})}
     return lookup
@@ -111,6 +115,31 @@ async def agent(run: runpool.Run) -> Any:
         if run.attempt == 1 and i == run.input.get("crash_after"):
             os._exit(1)  # right after the checkpoint commit
     return {"turns": steps, "messages": len(run.messages)}
+
+
+@app.handler("bad_names")
+async def bad_names(run: runpool.Run) -> Any:
+    """Each hostile name or value a handler's code could pass, and what it raised."""
+    forged = orjson.Fragment(run.input["forged"].encode())
+    tries: dict[str, Any] = {
+        "role": lambda: run.add_message("a\ud800", {}),
+        "content": lambda: run.add_message("assistant", {"text": forged}),
+        "call_id": lambda: run.tool("c\udfff", "lookup", {}, _lookup_tool(run)),
+        "tool_name": lambda: run.tool("c0", "look\ud800", {}, _lookup_tool(run)),
+        "arguments": lambda: run.tool("c0", "lookup", [forged], _lookup_tool(run)),
+        "signal": lambda: run.wait_for("s\ud800", timeout=1),
+        "spawn": lambda: run.spawn("k\ud800", "noop"),
+        "cost_key": lambda: run.acquire("k\ud800"),
+    }
+    raised: dict[str, str | None] = {}
+    for what, call in tries.items():
+        try:
+            await call()
+            raised[what] = None
+        except Exception as exc:
+            raised[what] = f"{type(exc).__name__}: {exc}"
+    message = await run.add_message("assistant", {"after": True})
+    return {"raised": raised, "seq": message.seq}
 
 
 @app.handler("agent_sync")

@@ -6,9 +6,11 @@ from it, so tests never see each other's runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
@@ -17,6 +19,7 @@ import pytest
 from runpool.db import connect
 from runpool.embedded import start_embedded
 from runpool.testing import EXECUTIONS_DDL, database_name, scratch_database
+from runpool.testing.databases import create_database, drop_database
 
 # One row per model turn the scripted agent (tests/apps.py) would have paid for.
 MODEL_CALLS_DDL = "CREATE TABLE model_calls (run_id uuid, turn int, attempt int)"
@@ -41,12 +44,52 @@ def template_db(server_dsn: str) -> Iterator[str]:
         yield database_name(tmpl)
 
 
+class _Databases:
+    """Test databases cloned from the template one test ahead: cloning costs ~150 ms of
+    waiting on the server (CREATE DATABASE), for most of the suite's tests, so the next
+    test's clone is made in a thread while this test runs, and drops run there too (after
+    it, in order)."""
+
+    def __init__(self, server_dsn: str, template: str) -> None:
+        self._server, self._template = server_dsn, template
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="test-databases")
+        self._next = self._thread.submit(self._create)
+
+    def _create(self) -> str:
+        return create_database(self._server, prefix="runpool_test", template=self._template)
+
+    def take(self) -> str:
+        try:
+            dsn = self._next.result()
+        except psycopg.Error:  # the server was away (a test stopped it): clone now instead
+            dsn = self._create()
+        self._next = self._thread.submit(self._create)
+        return dsn
+
+    def drop(self, dsn: str) -> None:
+        self._thread.submit(drop_database, self._server, dsn)
+
+    def close(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self.drop(self._next.result())
+        self._thread.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session")
+def _databases(server_dsn: str, template_db: str) -> Iterator[_Databases]:
+    databases = _Databases(server_dsn, template_db)
+    yield databases
+    databases.close()
+
+
 @pytest.fixture
-def dsn(server_dsn: str, template_db: str) -> Iterator[str]:
+def dsn(_databases: _Databases) -> Iterator[str]:
     """A fresh, migrated database for this test."""
-    with scratch_database(server_dsn, prefix="runpool_test", template=template_db,
-                          migrated=False) as db:
+    db = _databases.take()
+    try:
         yield db
+    finally:
+        _databases.drop(db)
 
 
 @pytest.fixture

@@ -132,6 +132,30 @@ def test_enqueue__lone_surrogates_anywhere_are_invalid_input(conn: psycopg.Conne
     assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 1
 
 
+def test_handler_passes_lone_surrogates_and_forged_fragments__each_call_is_invalid_input(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # Handler code, not a tenant's input (inputs arrive decoded): a name with a lone surrogate
+    # raised orjson's bare TypeError from inside the batch encoder, and an orjson.Fragment was
+    # spliced into the batch's JSON array unchecked. Each call now raises InvalidInput, writes
+    # nothing, and the run goes on; a run beside it is untouched.
+    other = runpool.enqueue(conn, "other", "agent", {"steps": 2})
+    run_id = runpool.enqueue(conn, "acme", "bad_names", {"forged": (
+        f'1}}}},{{"run_id":"{other}","attempt":1,"role":"user","content":{{"a":2')})
+    with running_pool(dsn, concurrency=8):
+        wait_for(lambda: _terminal(conn, run_id) and _terminal(conn, other), what="runs")
+    result = scalar(conn, "SELECT result FROM runpool.runs WHERE id = %s", run_id)
+    assert set(result["raised"]) == {"role", "content", "call_id", "tool_name", "arguments",
+                                     "signal", "spawn", "cost_key"}, result
+    for what, raised in result["raised"].items():
+        assert raised is not None and raised.startswith("InvalidInput: "), (what, raised)
+    assert result["seq"] == 1  # only the message after them was written
+    assert scalar(conn, "SELECT count(*) FROM runpool.tool_calls WHERE run_id = %s", run_id) == 0
+    assert run_row(conn, other)["status"] == "succeeded"
+    assert scalar(conn, "SELECT count(*) FROM runpool.messages WHERE run_id = %s"
+                  " AND role = 'user'", other) == 0
+    assert_invariants(conn)
+
+
 def test_worker_loop_dies__the_runs_in_flight_are_drained_not_left_to_expire(
         conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     app = runpool.App()

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from runpool.db import dumps, jsonb, translate_error
 from runpool.enqueue import enqueue_async
 from runpool.errors import InvalidInput
-from runpool.waits import check_name
+from runpool.limits import check_name
 
 from .state import jsonable, parse_run_id, web_of
 
