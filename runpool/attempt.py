@@ -16,7 +16,7 @@ from checkpoints import Message, Statement, ToolCall
 from . import costs
 from .commits import CommitGroup
 from .control import RunControl
-from .db import dumps
+from .db import encode
 from .deadlines import retrying
 from .errors import InvalidInput, LeaseLost, UsageError
 from .waits import Waits
@@ -120,12 +120,14 @@ class Attempt:
         """Tool calls recorded so far (restored on resume), by call id."""
         return dict(self._calls)
 
-    def _encode(self, value: Any, what: str) -> bytes:
-        data = dumps(value)  # InvalidInput: not JSON, NUL, lone surrogate, huge integer
+    def _encode(self, value: Any, what: str) -> tuple[bytes, Any]:
+        """The value's JSON text, and the value as it is committed (and read back on resume).
+        InvalidInput: not JSON, NUL, lone surrogate, huge integer, over the size limit."""
+        data, committed = encode(value)
         if len(data) > self._max_bytes:
             raise InvalidInput(f"{what} is {len(data)} bytes, over the limit of"
                                f" {self._max_bytes} bytes (RUNPOOL_MAX_MESSAGE_BYTES)")
-        return data
+        return data, committed
 
     def _writable(self) -> AsyncConnectionPool:
         if self._control.lost:

@@ -15,7 +15,7 @@ from checkpoints import Message
 
 from . import costs, telemetry
 from .attempt import TURN_ROLE
-from .db import jsonb, loads
+from .db import jsonb
 from .errors import UsageError
 from .limits import check_name
 from .progress import encode as encode_progress
@@ -44,7 +44,7 @@ class Run(ToolCalls, WaitMethods):
     async def add_message(self, role: str, content: Any) -> Message:
         """Commit one message to the conversation (fenced by the lease)."""
         check_name(role, "message role", ROLE_MAX_LENGTH)
-        data = self._encode(content, "message content")
+        data, committed = self._encode(content, "message content")
         pool = self._writable()
 
         first = checkpoints.message_write(self.id, self.attempt, role, jsonb(data),
@@ -69,7 +69,7 @@ class Run(ToolCalls, WaitMethods):
             if turn:
                 self._meter.turned()
         # The committed JSON value, the same as a resumed attempt will read.
-        message = Message(seq, role, loads(data), self.attempt)
+        message = Message(seq, role, committed, self.attempt)
         self._messages.append(message)
         return message
 

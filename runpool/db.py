@@ -29,6 +29,7 @@ __all__ = [
     "connect",
     "connection_options",
     "dumps",
+    "encode",
     "jsonb",
     "loads",
     "loads_exact",
@@ -141,10 +142,11 @@ def application_name(role: str) -> str:
 
 # Values orjson writes itself, holding no Fragment: their text needs no second look.
 _PLAIN: Final = (str, int, float, bool, type(None))
+_UNREAD: Final[Any] = object()
 
 
-def dumps(value: Any) -> bytes:
-    """Serialise a JSON value, refusing what PostgreSQL's jsonb cannot store."""
+def _dumps(value: Any) -> tuple[bytes, Any]:
+    """dumps(), and the value its text decodes to (_UNREAD for a plain scalar, not read)."""
     try:
         data = orjson.dumps(value)
     except TypeError as exc:
@@ -154,15 +156,29 @@ def dumps(value: Any) -> bytes:
     # (checkpoints.store._row). One parse of the text refuses it; the parse costs ~1 us for a
     # message of a few hundred bytes (~0.4 ms a MB), and only values holding a container or a
     # Fragment pay it, since orjson cannot say whether one is inside.
+    read = _UNREAD
     if not isinstance(value, _PLAIN):
         try:
-            orjson.loads(data)
+            read = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise InvalidInput(f"not one JSON value (an orjson.Fragment?): {exc}") from None
     # jsonb rejects \u0000; catching it here keeps the caller's transaction intact.
     if b"\\u0000" in data and _NUL_ESCAPE.search(data):
         raise InvalidInput("JSON text contains a NUL character (\\u0000), which jsonb rejects")
-    return data
+    return data, read
+
+
+def dumps(value: Any) -> bytes:
+    """Serialise a JSON value, refusing what PostgreSQL's jsonb cannot store."""
+    return _dumps(value)[0]
+
+
+def encode(value: Any) -> tuple[bytes, Any]:
+    """dumps(), and the JSON value as it will be read back (a tuple becomes a list, a
+    dataclass a dict): what a handler is given of what it committed, decoded by the same
+    parse that checks the text."""
+    data, read = _dumps(value)
+    return data, (loads(data) if read is _UNREAD else read)
 
 
 def _as_is(data: Any) -> Any:

@@ -19,7 +19,7 @@ from checkpoints import CallMismatch, Message, ToolCall
 
 from . import faults, telemetry
 from .attempt import Attempt
-from .db import dumps, jsonb, loads
+from .db import encode, jsonb
 from .deadlines import transient
 from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
 from .limits import check_name
@@ -63,8 +63,7 @@ class ToolCalls(Attempt):
         """
         check_name(call_id, "tool call_id")
         check_name(name, "tool name")
-        args = self._encode(arguments, "tool arguments")
-        committed_args = loads(args)
+        args, committed_args = self._encode(arguments, "tool arguments")
         prior = self._calls.get(call_id)
         if prior is not None and not _same_call(prior.name, prior.arguments,
                                                 name, committed_args):
@@ -144,20 +143,21 @@ class ToolCalls(Attempt):
         status, result = await self._execute(fn, arguments, f"{self.id}:{call_id}")
         faults.hit("tool.returned")
         try:
-            data = self._encode(result, "tool result")
+            data, value = self._encode(result, "tool result")
         except InvalidInput as exc:
             status, result = "failed", {"error": {"type": "ResultRejected",
                                                   "message": str(exc)}}
-            data = dumps(result)
+            data, value = encode(result)
         # The tool has run: its result is committed even if a cancellation (a drain's end,
         # the watchdog, a cancel notice) arrives meanwhile; the cancellation comes after.
-        value = await finish_anyway(self._commit(pool, call_id, name, committed_args, status, data))
+        await finish_anyway(self._commit(pool, call_id, name, committed_args, status, data, value))
         faults.hit("checkpoint.committed")
-        return value
+        return value  # the committed JSON value, the same as a resumed attempt gets
 
     async def _commit(self, pool: AsyncConnectionPool, call_id: str, name: str,
-                      arguments: Any, status: str, data: bytes) -> Any:
-        """Commit a finished call's outcome with its tool message; its committed JSON value."""
+                      arguments: Any, status: str, data: bytes, value: Any) -> None:
+        """Commit a finished call's outcome (`data`, the JSON text of `value`) with its tool
+        message."""
         commit = checkpoints.result_write(self.id, self.attempt, call_id, status=status,
                                           result=jsonb(data), message_role="tool",
                                           message_content=jsonb(data),
@@ -174,11 +174,8 @@ class ToolCalls(Attempt):
                     # reclaim fences the write (LeaseLost); the worker's lease clock ends it.
                     if self._control.lost or not transient(exc):
                         raise
-        # What the handler gets is the committed JSON value, the same as after a resume.
-        value = loads(data)
         self._remember(call_id, name, arguments, status, value)
         self._messages.append(Message(seq, "tool", value, self.attempt, call_id))
-        return value
 
     async def _execute(self, fn: ToolFn, arguments: Any, key: str) -> tuple[str, Any]:
         try:
