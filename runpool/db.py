@@ -68,8 +68,9 @@ def _options(dsn: str, connect_timeout: int | None = None) -> dict[str, Any]:
     return {**KEEPALIVES, "connect_timeout": connect_timeout or CONNECT_TIMEOUT}
 
 
-# Client encodings a caller's connection may have: UTF8, and SQL_ASCII (bytes pass unconverted).
-_UTF8_CLIENT: Final = ("UTF8", "SQL_ASCII")
+# The client encoding a caller's connection must have (under SQL_ASCII psycopg reads text
+# columns as bytes: `wait` never saw b'succeeded' as a terminal status).
+_UTF8_CLIENT: Final = ("UTF8",)
 
 
 def require_utf8(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -140,8 +141,10 @@ def application_name(role: str) -> str:
     return f"{role}@{socket.gethostname()}"[:63]
 
 
-# Values orjson writes itself, holding no Fragment: their text needs no second look.
-_PLAIN: Final = (str, int, float, bool, type(None))
+# Values orjson writes itself, holding no Fragment: their text needs no second look. Exact
+# types: a subclass of float that is also an Enum or a dataclass, say, is written as its value
+# or its fields, which may be a Fragment.
+_PLAIN: Final = frozenset({str, int, float, bool, type(None)})
 _UNREAD: Final[Any] = object()
 
 
@@ -154,10 +157,11 @@ def _dumps(value: Any) -> tuple[bytes, Any]:
     # An orjson.Fragment is spliced in as it is, unchecked: text that is not one JSON value
     # (say `1},{"run_id": ...`) would carry writes for another run into a batch's JSON array
     # (checkpoints.store._row). One parse of the text refuses it; the parse costs ~1 us for a
-    # message of a few hundred bytes (~0.4 ms a MB), and only values holding a container or a
-    # Fragment pay it, since orjson cannot say whether one is inside.
+    # message of a few hundred bytes (0.4-1.1 ms a MB, more for many small objects), and only
+    # values that are not a plain scalar pay it, since orjson cannot say whether a Fragment is
+    # inside. (encode() hands the parse back as the value committed.)
     read = _UNREAD
-    if not isinstance(value, _PLAIN):
+    if type(value) not in _PLAIN:
         try:
             read = orjson.loads(data)
         except orjson.JSONDecodeError as exc:

@@ -6,7 +6,7 @@ from typing import Final
 
 from .errors import InvalidInput
 
-__all__ = ["NAME_MAX_LENGTH", "check_name", "check_text"]
+__all__ = ["NAME_MAX_LENGTH", "check_name", "check_tenant", "check_text"]
 
 # The longest tenant, handler, idempotency key, serial key, tool call id and tool name: the
 # database's runpool.max_name_length() (migration 0008; tests/test_rules.py keeps them equal).
@@ -32,3 +32,9 @@ def check_name(value: object, what: str, max_length: int = NAME_MAX_LENGTH) -> s
         raise InvalidInput(f"{what} must be 1 to {max_length} characters")
     check_text(what, value)
     return value
+
+
+def check_tenant(value: object) -> str | None:
+    """A caller's tenant scope (signal_run, resolve_tool_call, wait, follow, cancel): None
+    (any tenant's run), or a name."""
+    return None if value is None else check_name(value, "tenant")

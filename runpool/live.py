@@ -20,7 +20,7 @@ import psycopg
 from psycopg import sql
 
 from .errors import InvalidInput, NotFound
-from .limits import NAME_MAX_LENGTH
+from .limits import check_tenant
 from .live_io import Answer, Nap, Read, aexecute, anap, aperform, aquiet, idle, perform, quiet
 
 __all__ = ["TERMINAL", "RunEvent", "RunResult", "channel", "follow", "wait", "wait_async"]
@@ -147,14 +147,6 @@ def _seconds(value: Any, what: str, *, allow_none: bool, low: float) -> float | 
     return float(value)
 
 
-def _tenant(value: Any) -> str | None:
-    if value is not None and (not isinstance(value, str)
-                              or not 1 <= len(value) <= NAME_MAX_LENGTH or "\x00" in value):
-        raise InvalidInput(f"tenant must be None or 1 to {NAME_MAX_LENGTH} characters without"
-                           f" NUL, not {value!r:.80}")
-    return value
-
-
 def _listen(run_id: uuid.UUID, on: bool) -> sql.Composed:
     return sql.SQL("LISTEN {}" if on else "UNLISTEN {}").format(sql.Identifier(channel(run_id)))
 
@@ -209,7 +201,7 @@ class _Wait:
     def __init__(self, run_id: Any, timeout: Any, poll: Any, tenant: Any, listen: bool) -> None:
         self.run_id = _run_id(run_id)
         self._steps = _waiting(self.run_id, _seconds(timeout, "timeout", allow_none=True, low=0),
-                               _poll(poll), _tenant(tenant), listen)
+                               _poll(poll), check_tenant(tenant), listen)
         self.step = next(self._steps)
         self.result: RunResult | None = None
 
@@ -284,7 +276,7 @@ async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, a
     server leaves a read unanswered for READ_SECONDS (it is then cut), raises the driver's
     psycopg.OperationalError. Use `contextlib.aclosing` to stop early and have the connection
     UNLISTEN at once. listen=False polls only."""
-    rid, last, poll_s, tenant = _run_id(run_id), _after(after), _poll(poll), _tenant(tenant)
+    rid, last, poll_s, tenant = _run_id(run_id), _after(after), _poll(poll), check_tenant(tenant)
     idle(aconn)
     try:
         if listen:

@@ -28,9 +28,10 @@ logger = logging.getLogger("runpool.migrate")
 MIGRATIONS_DIR: Final[Traversable] = files("runpool") / "migrations"
 _NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
-# Database encodings runpool's text fits in: UTF8, and SQL_ASCII (which stores bytes as sent,
-# and runpool sends UTF-8).
-SERVER_ENCODINGS: Final = ("UTF8", "SQL_ASCII")
+# The database encoding runpool's text fits in. Not SQL_ASCII either: it stores any bytes an
+# SQL caller sends, and one run holding bytes that are not UTF-8 (say its input) then fails
+# every claim that reads it on runpool's UTF8 connections, so no worker can run anything.
+SERVER_ENCODINGS: Final = ("UTF8",)
 # Serialises migrators across hosts: the second waits, then finds nothing left to do.
 LOCK_MIGRATIONS: Final = "SELECT pg_advisory_xact_lock(7370720115)"
 # Creates what migrations are recorded in.
@@ -126,7 +127,7 @@ def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
 def check_encoding(conn: psycopg.Connection[Any]) -> None:
     """Refuse a database that cannot hold every run's text: runs, messages and results are
     any Unicode text, and a LATIN1 database, say, fails a write with a character outside it
-    (the migrations themselves hold some)."""
+    (the migrations themselves hold some); see SERVER_ENCODINGS for SQL_ASCII."""
     encoding = conn.info.parameter_status("server_encoding")
     if encoding not in SERVER_ENCODINGS:
         raise UsageError(
@@ -198,7 +199,9 @@ def script(conn: psycopg.Connection[Any]) -> str:
 
 
 def check(conn: psycopg.Connection[Any]) -> None:
-    """Refuse to run on a schema this code does not match."""
+    """Refuse to run on a database whose encoding cannot hold runs' text, or on a schema this
+    code does not match."""
+    check_encoding(conn)
     known = {m.version for m in migrations()}
     done = applied_versions(conn)
     missing = sorted(known - done)

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 
 from .errors import InvalidInput
+from .limits import check_tenant, check_text
 
 __all__ = ["run_command"]
 
@@ -54,8 +55,10 @@ def run_command(conn: psycopg.Connection[Any], args: argparse.Namespace, dsn: st
         print(run_id)
         return 0
     if args.command == "cancel":
+        if args.reason is not None:
+            check_text("--reason", args.reason)
         row = conn.execute(CANCEL, (_parse_run_id(args.run_id), args.reason,
-                                    args.tenant)).fetchone()
+                                    check_tenant(args.tenant))).fetchone()
         return _answer(row, args.run_id)
     if args.command == "retry":
         row = conn.execute(RETRY, (_parse_run_id(args.run_id),)).fetchone()

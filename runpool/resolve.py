@@ -11,6 +11,7 @@ from psycopg import errors as pg_errors
 
 from .db import dumps, jsonb, require_utf8, translate_error
 from .errors import InvalidInput
+from .limits import check_name, check_tenant
 
 __all__ = ["resolve_tool_call"]
 
@@ -31,6 +32,8 @@ def resolve_tool_call(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, ca
     the run is another tenant's). Then `retry_run` puts a failed run back in the queue."""
     if (result is _UNSET) == (not retry):
         raise InvalidInput("resolve_tool_call: give either result=... or retry=True")
+    check_name(call_id, "call_id")
+    check_tenant(tenant)
     require_utf8(conn)
     try:
         row = conn.execute(RESOLVE, {

@@ -24,7 +24,7 @@ from . import faults, telemetry
 from .db import dumps, jsonb, loads_exact, require_utf8, translate_error
 from .enqueue import RunSpec
 from .errors import InvalidInput, LeaseLost, UsageError, WaitTimeout
-from .limits import check_name
+from .limits import check_name, check_tenant
 from .live import RunResult
 
 __all__ = ["Suspended", "WaitAnswer", "WaitMethods", "Waits", "signal_run"]
@@ -183,6 +183,7 @@ def signal_run(conn: psycopg.Connection[Any], run_id: uuid.UUID | str, name: str
     run's terminal status (nothing stored), or None for no such run (or another tenant's).
     Commits at once on an autocommit connection; inside the caller's transaction otherwise."""
     check_name(name, "signal name")
+    check_tenant(tenant)
     require_utf8(conn)
     try:
         key = uuid.UUID(str(run_id))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import time
@@ -117,6 +118,18 @@ async def agent(run: runpool.Run) -> Any:
     return {"turns": steps, "messages": len(run.messages)}
 
 
+class SneakyFloat(float, enum.Enum):
+    """A float that orjson writes as its Enum value: a Fragment (an exact-type check sees
+    through it, isinstance(value, float) did not)."""
+
+    def __new__(cls, value: Any) -> SneakyFloat:
+        member = float.__new__(cls, 0.0)
+        member._value_ = value
+        return member
+
+    FORGED = orjson.Fragment(b'1},{"run_id":"00000000-0000-0000-0000-000000000000","x":{"a":1')
+
+
 @app.handler("bad_names")
 async def bad_names(run: runpool.Run) -> Any:
     """Each hostile name or value a handler's code could pass, and what it raised."""
@@ -124,6 +137,7 @@ async def bad_names(run: runpool.Run) -> Any:
     tries: dict[str, Any] = {
         "role": lambda: run.add_message("a\ud800", {}),
         "content": lambda: run.add_message("assistant", {"text": forged}),
+        "float_enum": lambda: run.add_message("assistant", SneakyFloat.FORGED),
         "call_id": lambda: run.tool("c\udfff", "lookup", {}, _lookup_tool(run)),
         "tool_name": lambda: run.tool("c0", "look\ud800", {}, _lookup_tool(run)),
         "arguments": lambda: run.tool("c0", "lookup", [forged], _lookup_tool(run)),

@@ -10,7 +10,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
@@ -53,6 +53,7 @@ class _Databases:
     def __init__(self, server_dsn: str, template: str) -> None:
         self._server, self._template = server_dsn, template
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="test-databases")
+        self._drops: list[tuple[str, Future[None]]] = []
         self._next = self._thread.submit(self._create)
 
     def _create(self) -> str:
@@ -67,12 +68,18 @@ class _Databases:
         return dsn
 
     def drop(self, dsn: str) -> None:
-        self._thread.submit(drop_database, self._server, dsn)
+        self._drops.append((dsn, self._thread.submit(drop_database, self._server, dsn)))
 
     def close(self) -> None:
+        """Drop the clone no test took; fail (the session's last teardown) naming every
+        database a drop left behind."""
         with contextlib.suppress(psycopg.Error):
             self.drop(self._next.result())
         self._thread.shutdown(wait=True)
+        left = [f"{database_name(dsn)}: {f.exception()}" for dsn, f in self._drops
+                if f.exception() is not None]
+        if left:
+            raise RuntimeError(f"test databases left behind: {'; '.join(left)}")
 
 
 @pytest.fixture(scope="session")

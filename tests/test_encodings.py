@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 import runpool
-from runpool.migrate import migrate
+from runpool.migrate import check, migrate
 from runpool.testing import scratch_database
 from tests.helpers import assert_invariants, running_pool, scalar, wait_for
 
@@ -40,10 +40,12 @@ def test_pool_under_a_latin1_client_encoding__stores_every_character_exactly(
     assert_invariants(conn)
 
 
-def test_caller_connection_in_latin1__each_call_refused_naming_the_encoding(
-        conn: psycopg.Connection, dsn: str) -> None:
+@pytest.mark.parametrize("encoding", ["LATIN1", "SQL_ASCII"])
+def test_caller_connection_not_in_utf8__each_call_refused_naming_the_encoding(
+        conn: psycopg.Connection, dsn: str, encoding: str) -> None:
+    # Under SQL_ASCII psycopg reads text as bytes: `wait` never saw b'succeeded' as terminal.
     run_id = runpool.enqueue(conn, "acme", "noop")
-    with psycopg.connect(dsn, autocommit=True, client_encoding="LATIN1") as latin:
+    with psycopg.connect(dsn, autocommit=True, client_encoding=encoding) as latin:
         calls: dict[str, Any] = {
             "enqueue": lambda: runpool.enqueue(latin, "acme", "noop", {"t": TEXT}),
             "enqueue_many": lambda: runpool.enqueue_many(
@@ -54,17 +56,42 @@ def test_caller_connection_in_latin1__each_call_refused_naming_the_encoding(
             "wait": lambda: runpool.wait(latin, run_id, timeout=1),
         }
         for what, call in calls.items():
-            with pytest.raises(runpool.UsageError, match="client_encoding is LATIN1"):
+            with pytest.raises(runpool.UsageError, match=f"client_encoding is {encoding}"):
                 call()
             assert latin.info.transaction_status == psycopg.pq.TransactionStatus.IDLE, what
     assert scalar(conn, "SELECT count(*) FROM runpool.runs") == 1
     assert scalar(conn, "SELECT count(*) FROM runpool.signals") == 0
 
 
-def test_latin1_database__migrate_refuses_it_naming_the_encoding(server_dsn: str) -> None:
-    with scratch_database(server_dsn, prefix="runpool_latin1", migrated=False,
-                          encoding="LATIN1") as dsn, \
+@pytest.mark.parametrize("encoding", ["LATIN1", "SQL_ASCII"])
+def test_database_not_utf8__migrate_and_a_pools_start_refuse_it_naming_the_encoding(
+        server_dsn: str, encoding: str) -> None:
+    # SQL_ASCII too: it stores whatever bytes an SQL caller sends, and one run whose input is
+    # not UTF-8 then failed every claim on runpool's UTF8 connections (every worker crashed,
+    # restarted and crashed again; no run of any tenant ran).
+    with scratch_database(server_dsn, prefix="runpool_enc", migrated=False,
+                          encoding=encoding) as dsn, \
             psycopg.connect(dsn, autocommit=True) as conn:
-        with pytest.raises(runpool.UsageError, match="encoded LATIN1: runpool needs a UTF8"):
+        with pytest.raises(runpool.UsageError, match=f"encoded {encoding}: runpool needs a UTF8"):
             migrate(conn)
         assert scalar(conn, "SELECT to_regnamespace('runpool') IS NULL")
+        # A database migrated before this check: the pool refuses to start on it.
+        with pytest.raises(runpool.UsageError, match=f"encoded {encoding}"):
+            check(conn)
+
+
+def test_names_and_tenants_with_lone_surrogates__invalid_input_from_every_api_call(
+        conn: psycopg.Connection) -> None:
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    bad = "a\ud800"
+    calls: dict[str, Any] = {
+        "signal_run tenant": lambda: runpool.signal_run(conn, run_id, "go", tenant=bad),
+        "resolve call_id": lambda: runpool.resolve_tool_call(conn, run_id, bad, retry=True),
+        "resolve tenant": lambda: runpool.resolve_tool_call(conn, run_id, "c0", retry=True,
+                                                            tenant=bad),
+        "wait tenant": lambda: runpool.wait(conn, run_id, timeout=1, tenant=bad),
+    }
+    for what, call in calls.items():
+        with pytest.raises(runpool.InvalidInput, match="UTF-8"):
+            call()
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE, what

@@ -144,8 +144,8 @@ def test_handler_passes_lone_surrogates_and_forged_fragments__each_call_is_inval
     with running_pool(dsn, concurrency=8):
         wait_for(lambda: _terminal(conn, run_id) and _terminal(conn, other), what="runs")
     result = scalar(conn, "SELECT result FROM runpool.runs WHERE id = %s", run_id)
-    assert set(result["raised"]) == {"role", "content", "call_id", "tool_name", "arguments",
-                                     "signal", "spawn", "cost_key"}, result
+    assert set(result["raised"]) == {"role", "content", "float_enum", "call_id", "tool_name",
+                                     "arguments", "signal", "spawn", "cost_key"}, result
     for what, raised in result["raised"].items():
         assert raised is not None and raised.startswith("InvalidInput: "), (what, raised)
     assert result["seq"] == 1  # only the message after them was written
