@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import logging
 import os
 import time
@@ -60,6 +61,11 @@ async def unserialisable(run: runpool.Run) -> Any:
 @app.handler("nul_result")
 async def nul_result(run: runpool.Run) -> Any:
     return {"text": "a\x00b"}
+
+
+@app.handler("gc_state")
+async def gc_state(run: runpool.Run) -> Any:
+    return {"threshold": gc.get_threshold(), "frozen": gc.get_freeze_count()}
 
 
 @app.handler("timestamp")

@@ -4,6 +4,7 @@ handlers, no tracer provider taken over; drain finishes or releases what is in f
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -90,7 +91,8 @@ def test_embedded_pool__runs_runs_in_the_hosts_loop_touching_nothing_process_wid
         wakeup_fd = signal.set_wakeup_fd(-1)  # read it (and put it back): add_signal_handler
         signal.set_wakeup_fd(wakeup_fd)       # would have set one
         return ({s: signal.getsignal(s) for s in SIGNALS}, wakeup_fd,
-                trace.get_tracer_provider(), children())
+                trace.get_tracer_provider(), children(), gc.get_threshold(),
+                gc.get_freeze_count())
 
     async def main() -> None:
         before = process_wide()  # in the loop: asyncio.run installs its own SIGINT handler

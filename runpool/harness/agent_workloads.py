@@ -63,7 +63,8 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
     """W11: `runs` agent runs of `turns` turns (a `low`..`high` s model call, one tool call
     with its checkpoint, one message) on `workers` workers of `slots` slots, `pool_size`
     connections each. Reports lease losses, heartbeat lag (time since a running run's lease
-    was renewed, beyond the heartbeat interval), checkpoint write latency, database commits
+    was renewed, beyond the heartbeat interval), write latencies (a tool call: its intent, the
+    tool and its checkpoint; the checkpoint alone; a message), database commits
     per tool call, worker CPU per turn and memory per run in flight."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn, \
             connect(server, autocommit=True) as stats:
@@ -102,6 +103,7 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
         extra, failed = conn.execute(LOSSES).fetchone() or (0, 0)
         tool_ms = [ms for (r,) in conn.execute(RESULTS) for ms in r["tool_ms"]]
         message_ms = [ms for (r,) in conn.execute(RESULTS) for ms in r["message_ms"]]
+        checkpoint_ms = [ms for (r,) in conn.execute(RESULTS) for ms in r["checkpoint_ms"]]
     calls = len(tool_ms)
     beat = lease / 3
     lag = [max(a - beat, 0.0) for a in ages]
@@ -115,6 +117,8 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
         "lease_over_6_s": round(lease / 6, 2),
         "tool_call_p50_ms": round(percentile(tool_ms, 50), 2),
         "tool_call_p99_ms": round(percentile(tool_ms, 99), 2),
+        "checkpoint_p50_ms": round(percentile(checkpoint_ms, 50), 2),
+        "checkpoint_p99_ms": round(percentile(checkpoint_ms, 99), 2),
         "message_p50_ms": round(percentile(message_ms, 50), 2),
         "message_p99_ms": round(percentile(message_ms, 99), 2),
         "commits_per_tool_call": round(commits / calls, 3),

@@ -131,16 +131,26 @@ async def _lookup(arguments: Any, key: str) -> Any:
 @app.handler("agent")
 async def agent(run: Run) -> Any:
     """W11: `turns` agent turns: a model call (a sleep of `low`..`high` s), one tool call with
-    its checkpoint, and a message. Returns each tool call's and message's write time (ms)."""
+    its checkpoint, and a message. Returns each tool call's time (its intent's write, the tool,
+    its checkpoint's write), its checkpoint's write time (the tool's return to the call's:
+    the result committed with its message) and each message's write time (ms)."""
     turns, low, high = int(run.input["turns"]), float(run.input["low"]), float(run.input["high"])
     rng = random.Random(str(run.id))
-    tool_ms, message_ms = [], []
+    tool_ms, checkpoint_ms, message_ms = [], [], []
+    returned = [0.0]
+
+    async def lookup(arguments: Any, key: str) -> Any:
+        found = await _lookup(arguments, key)
+        returned[0] = time.perf_counter()
+        return found
+
     for turn in range(turns):
         await asyncio.sleep(rng.uniform(low, high))
         t0 = time.perf_counter()
-        found = await run.tool(f"t{turn}", "search", {"turn": turn}, _lookup)
+        found = await run.tool(f"t{turn}", "search", {"turn": turn}, lookup)
         t1 = time.perf_counter()
         await run.add_message("assistant", {"turn": turn, "read": len(found["hits"])})
         tool_ms.append(round((t1 - t0) * 1000, 3))
+        checkpoint_ms.append(round((t1 - returned[0]) * 1000, 3))
         message_ms.append(round((time.perf_counter() - t1) * 1000, 3))
-    return {"tool_ms": tool_ms, "message_ms": message_ms}
+    return {"tool_ms": tool_ms, "checkpoint_ms": checkpoint_ms, "message_ms": message_ms}
