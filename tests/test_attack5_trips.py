@@ -35,7 +35,8 @@ def test_sql_ascii_session__non_ascii_result_is_recorded_not_rejected(
     was stored. A Trip encodes its literals with conn.info.encoding ('ascii'): the batch raises
     UnicodeEncodeError, the writer splits it and records the run FAILED (outcome_rejected):
     every non-ASCII result (or exception message: retries too) of a worker on such a database
-    is lost. Defect new in 2efc51c."""
+    is lost. Defect new in 2efc51c. Since session 10 runpool's own connections say
+    client_encoding UTF8 at connect, which wins over the database's setting."""
     _sql_ascii(conn)
     run_id = runpool.enqueue(conn, "acme", "noop")
 
@@ -43,7 +44,7 @@ def test_sql_ascii_session__non_ascii_result_is_recorded_not_rejected(
         pool = await open_pool(dsn, size=1, name="attack5-ascii")
         try:
             async with pool.connection() as c:
-                assert c.info.encoding == "ascii"
+                assert c.info.encoding == "utf-8"
                 (run,) = await claim(c, limit=1, no_jit=False, worker_id=uuid.uuid4(),
                                      lease_seconds=30, handlers=["noop"])
             writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), no_jit=False)
