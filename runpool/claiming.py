@@ -144,8 +144,7 @@ async def claim_statements(
         names = [h for (h,) in await cur.fetchall()]
     else:
         names = list(handlers)
-    locks = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit,
-                                                          "worker_id": worker_id})
+    locks = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
     # A trip's locks are not sent yet either: a fault here still means nothing commits.
     faults.hit("claim.locked", conn.connection if isinstance(conn, Trip) else conn)
     params = {"limit": limit, "worker_id": worker_id, "lease_seconds": lease_seconds,

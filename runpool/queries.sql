@@ -211,18 +211,8 @@ WITH RECURSIVE served AS (
 heads AS (
     SELECT tenant, min(rank) AS rank FROM served GROUP BY tenant
 ),
-fleet AS (
-    -- The slots of every worker not stopped (a crashed one still counts: more, never fewer),
-    -- and whether the claimer is one of them.
-    SELECT coalesce(sum(w.concurrency), 0) AS slots,
-           coalesce(bool_or(w.id = %(worker_id)s), false) AS registered
-    FROM runpool.workers w WHERE w.stopped_at IS NULL
-),
 candidates AS (
-    -- `roomy`: a quota'd tenant this claim may take in share mode (see claim_runs' capacity,
-    -- which checks it again under the lock): its quota cannot bind.
-    SELECT h.tenant, h.rank, q.quota IS NOT NULL AS limited,
-           (SELECT registered AND q.live + %(limit)s + slots <= q.quota FROM fleet) AS roomy
+    SELECT h.tenant, h.rank, q.quota IS NOT NULL AS limited
     FROM heads h
     JOIN runpool.tenant_capacity q ON q.tenant = h.tenant
     WHERE q.quota IS NULL OR q.quota > q.live
@@ -230,23 +220,15 @@ candidates AS (
 chosen AS (
     -- The sorted subquery feeds the nested loop in rank order and the limit stops it: the
     -- lateral lock runs only for the quota'd candidates reached (a skipped one, not chosen,
-    -- does not count toward the limit). A roomy tenant's row is locked in share mode:
-    -- claimers of it go side by side, and one that must count exactly (an exclusive lock)
-    -- skips it while they are in flight.
-    SELECT c.tenant, c.rank, c.limited, c.roomy
-    FROM (SELECT tenant, rank, limited, coalesce(roomy, false) AS roomy
-          FROM candidates ORDER BY rank, tenant) c
+    -- does not count toward the limit).
+    SELECT c.tenant, c.rank, c.limited
+    FROM (SELECT tenant, rank, limited FROM candidates ORDER BY rank, tenant) c
     LEFT JOIN LATERAL (
         SELECT t.tenant
         FROM runpool.tenants t
-        WHERE c.limited AND NOT c.roomy AND t.tenant = c.tenant
+        WHERE c.limited AND t.tenant = c.tenant
         FOR NO KEY UPDATE OF t SKIP LOCKED) l ON true
-    LEFT JOIN LATERAL (
-        SELECT t.tenant
-        FROM runpool.tenants t
-        WHERE c.roomy AND t.tenant = c.tenant
-        FOR SHARE OF t SKIP LOCKED) s ON true
-    WHERE NOT c.limited OR l.tenant IS NOT NULL OR s.tenant IS NOT NULL
+    WHERE NOT c.limited OR l.tenant IS NOT NULL
     ORDER BY c.rank, c.tenant
     LIMIT %(limit)s
 ),
@@ -257,11 +239,8 @@ noted AS (
     SELECT set_config('runpool.claim_tenants',
                       coalesce(array_agg(tenant ORDER BY tenant), '{}')::text, true) AS tenants,
            set_config('runpool.claim_limited',
-                      coalesce(array_agg(tenant) FILTER (WHERE limited AND NOT roomy),
-                               '{}')::text, true) AS limited,
-           set_config('runpool.claim_roomy',
-                      coalesce(array_agg(tenant) FILTER (WHERE roomy), '{}')::text,
-                      true) AS roomy
+                      coalesce(array_agg(tenant) FILTER (WHERE limited), '{}')::text,
+                      true) AS limited
     FROM chosen
 )
 SELECT tenant, limited, skipped FROM (
@@ -290,12 +269,6 @@ ORDER BY skipped, i, tenant;
 WITH handlers AS (
     SELECT DISTINCT unnest(%(handlers)s::text[]) AS handler
 ),
-fleet AS (
-    -- The slots of every worker not stopped, and whether the claimer is one (lock_tenants';
-    -- both NULL with no worker: nothing is roomy).
-    SELECT sum(w.concurrency) AS slots, bool_or(w.id = %(worker_id)s) AS registered
-    FROM runpool.workers w WHERE w.stopped_at IS NULL
-),
 capacity AS (
     -- A quota is recounted under its tenant's lock, in this statement's fresh snapshot: no
     -- other claimer can add a live lease for the tenant until we commit, so it is exact. A
@@ -303,21 +276,8 @@ capacity AS (
     -- quota (its own or the default) after lock_tenants chose it unlocked gets nothing now:
     -- a count without the lock is not exact (two such claimers would each see the other's
     -- claim uncommitted and both take the last free slot); the next claim locks it.
-    -- A roomy tenant (locked in share mode by lock_tenants) is taken whole, without a
-    -- recount, if it is still roomy in this snapshot, taken under that lock: the claimer is a
-    -- registered worker, and the tenant's live leases, this claim's limit and every slot of
-    -- every worker fit its quota. Of roomy claims in flight together, the one whose snapshot
-    -- here came last saw every other claimer's worker (each is registered before it claims),
-    -- so every run any of them adds sits in a slot it counted: their total stays within that
-    -- claim's check. No exclusive claimer runs beside
-    -- them (the share locks exclude it), and one that ran before committed before the share
-    -- lock, so this snapshot counts its runs. Not roomy any more: nothing now (as above).
     SELECT q.tenant,
            CASE WHEN q.quota IS NULL THEN %(limit)s
-                WHEN q.tenant = ANY(nullif(current_setting('runpool.claim_roomy', true),
-                                           '')::text[])
-                THEN (SELECT CASE WHEN registered AND q.live + %(limit)s + slots <= q.quota
-                             THEN %(limit)s ELSE 0 END FROM fleet)
                 WHEN q.tenant <> ALL(coalesce(nullif(current_setting('runpool.claim_limited',
                                                                     true), '')::text[], '{}'))
                 THEN 0

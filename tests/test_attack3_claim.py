@@ -4,8 +4,6 @@ array literals (outcomes.finish_params)."""
 
 from __future__ import annotations
 
-import uuid
-
 import psycopg
 
 import runpool
@@ -44,8 +42,7 @@ def test_held_tenant__the_next_ranked_takes_its_place_and_tenants_ranked_below_s
     with psycopg.connect(dsn) as hostile, psycopg.connect(dsn) as claimer, \
             psycopg.connect(dsn) as other:
         hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
-        chose = claimer.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 1,
-                                                           "worker_id": uuid.uuid4()})
+        chose = claimer.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 1})
         assert chose.fetchall() == [("next", True, False), ("held", True, True)]
         other.execute("SET lock_timeout = '2s'")
         assert other.execute("SELECT tenant FROM runpool.tenants WHERE tenant = 'below'"

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -184,101 +183,13 @@ def test_claim__without_promote_a_due_run_waits_for_a_claim_that_promotes(
     assert asyncio.run(main()) == ([], [due])
 
 
-def _claim_in(conn: psycopg.Connection, limit: int, worker_id: uuid.UUID | None = None
-              ) -> list[uuid.UUID]:
-    """lock_tenants then claim_runs in the caller's open transaction (not committed), as
-    `worker_id` (by default a claimer no worker row announces)."""
-    params = {"handlers": ["noop"], "limit": limit, "worker_id": worker_id or uuid.uuid4()}
+def _claim_in(conn: psycopg.Connection, limit: int) -> list[uuid.UUID]:
+    """lock_tenants then claim_runs in the caller's open transaction (not committed)."""
+    params = {"handlers": ["noop"], "limit": limit}
     conn.execute(QUERIES["lock_tenants"], params)
     rows = conn.execute(QUERIES["claim_runs"], {
-        **params, "lease_seconds": 30})
+        **params, "worker_id": uuid.uuid4(), "lease_seconds": 30})
     return [r[0] for r in rows]
-
-
-# Announce a worker (as a pool does before it claims) with `concurrency` slots.
-REGISTER = """
-INSERT INTO runpool.workers (id, host, pid, concurrency, handlers)
-VALUES (%s, 'test', 1, %s, '{noop}')
-"""
-
-
-def test_claim__a_quota_that_cannot_bind__registered_workers_take_its_runs_side_by_side(
-        conn: psycopg.Connection, dsn: str) -> None:
-    """A quota above the tenant's live leases plus every worker's slots plus the claim cannot
-    bind, whatever the claims in flight do: its tenant is locked in share mode, and two
-    workers' claims take its runs side by side (with the exclusive lock they took turns: W1
-    through the peer bench's quota of 100,000 drained slower on two workers than on one).
-    Where it could bind, and for a claimer no worker row announces, the exclusive lock and the
-    exact recount stay; an exclusive claimer skips the tenant while share holders are in
-    flight (so its recount cannot miss their claims)."""
-    runpool.enqueue_many(conn, [runpool.RunSpec("big", "noop") for _ in range(40)])
-    one, two = uuid.uuid4(), uuid.uuid4()
-    conn.execute(REGISTER, (one, 10))
-    conn.execute(REGISTER, (two, 10))
-    conn.execute("SELECT runpool.set_tenant_quota('big', 100)")  # 0 + 5 + 20 <= 100
-    with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second, \
-            psycopg.connect(dsn) as third:
-        third.execute("SET lock_timeout = '2s'")
-        held = _claim_in(first, 5, one)
-        taken = _claim_in(second, 5, two)
-        assert len(held) == 5 and len(taken) == 5 and not set(taken) & set(held)
-        # An unannounced claimer must count exactly: it skips the share-locked tenant.
-        assert _claim_in(third, 5) == []
-        assert third.execute(QUERIES["lock_tenants"], {
-            "handlers": ["noop"], "limit": 5, "worker_id": uuid.uuid4()}
-        ).fetchall() == [("big", True, True)]
-        third.rollback()
-        first.commit()
-        second.commit()
-        # live 10: 10 + 5 + 20 > 34, so the quota could bind: exclusive, in turn, exact.
-        conn.execute("SELECT runpool.set_tenant_quota('big', 34)")
-        held = _claim_in(first, 5, one)
-        assert len(held) == 5
-        assert _claim_in(second, 5, two) == []
-        second.rollback()
-        first.commit()
-        # live 15: the exact recount gives the last free quota and no more.
-        conn.execute("SELECT runpool.set_tenant_quota('big', 17)")
-        assert len(_claim_in(second, 5, two)) == 2
-        second.commit()
-    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE status = 'running'") == 17
-
-
-def test_claim__racing_claimers_around_the_roomy_bound__the_quota_is_never_exceeded(
-        conn: psycopg.Connection, dsn: str) -> None:
-    """Four announced workers of 3 slots (S = 12), each keeping at most its slots, and one
-    claimer no worker row announces (it takes up to 10 a claim, always by the exclusive lock
-    and the exact recount) claim one tenant at once, quota 20: the workers' claims are roomy
-    (share mode) while live <= 5. Runs never end, so every claim adds; were an exclusive
-    recount to miss share claims in flight, the total would pass 20."""
-    runpool.enqueue_many(conn, [runpool.RunSpec("edge", "noop") for _ in range(80)])
-    workers = [uuid.uuid4() for _ in range(4)]
-    for w in workers:
-        conn.execute(REGISTER, (w, 3))
-    conn.execute("SELECT runpool.set_tenant_quota('edge', 20)")
-    barrier = threading.Barrier(len(workers) + 1)
-    errors: list[BaseException] = []
-
-    def claimer(w: uuid.UUID | None) -> None:
-        try:
-            with psycopg.connect(dsn) as c:
-                held = 0
-                barrier.wait(timeout=30)
-                for _ in range(40):
-                    want = 10 if w is None else 3 - held
-                    if want:
-                        held += len(_claim_in(c, want, w))
-                    c.commit()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=claimer, args=(w,)) for w in [*workers, None]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE status = 'running'") == 20
 
 
 def test_claim__claimers_of_a_tenant_without_quota_take_runs_side_by_side_not_in_turn(
@@ -301,8 +212,7 @@ def test_claim__claimers_of_a_tenant_without_quota_take_runs_side_by_side_not_in
         assert len(held) == 5
         # (The lock_timeout stays: a claimer that waited would fail, not hang.)
         assert _claim_in(second, 5) == []
-        assert second.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 5,
-                                                          "worker_id": uuid.uuid4()}
+        assert second.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 5}
                               ).fetchall() == [("free", True, True)]
         second.rollback()
         first.commit()
