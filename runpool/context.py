@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import psycopg
 
@@ -27,7 +27,7 @@ __all__ = ["Run", "ToolFn"]
 T = TypeVar("T")
 
 # The longest message role (the messages table's check).
-ROLE_MAX_LENGTH = 64
+ROLE_MAX_LENGTH: Final = 64
 
 
 class Run(ToolCalls, WaitMethods):

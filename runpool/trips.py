@@ -107,11 +107,12 @@ _BY_TEXT: Final[dict[str, _Prepared]] = {**_HOT, **_BATCHES}
 _TUPLES_OK: Final = psycopg.pq.ExecStatus.TUPLES_OK
 _LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)"
 
-# Sessions that prepared the statements, with their client encoding (the literals' bytes are
-# in it). Weak: a connection the pool dropped takes its entry with it, and a new one (after a
-# restart, say) prepares again.
-_sessions: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], str] = (
-    weakref.WeakKeyDictionary())
+# Sessions that prepared the statements. Weak: a connection the pool dropped takes its entry
+# with it, and a new one (after a restart, say) prepares again.
+_sessions: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+# The literals' encoding: every connection runpool opens says client_encoding UTF8
+# (db.KEEPALIVES), whatever the environment, the DSN or the database's settings say.
+_ENCODING: Final = "utf-8"
 # Sessions that prepared the batch statements too.
 _batch_sessions: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 
@@ -140,14 +141,13 @@ class Trip:
     serves both), sent as one simple query by send(). jsonb columns come back as JSON text
     (JsonText): the claim's inputs are decoded in each run's slot."""
 
-    __slots__ = ("_answers", "_batches", "_encoding", "_escaping", "_parts", "connection")
+    __slots__ = ("_answers", "_batches", "_escaping", "_parts", "connection")
 
     def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         if not conn.autocommit:
             # Its implicit transaction is what makes the trip all-or-nothing.
             raise psycopg.ProgrammingError("a trip needs an autocommit connection")
         self.connection = conn
-        self._encoding = _sessions.get(conn) or _encoding(conn)
         # libpq's quoting, for the connection's encoding and settings.
         self._escaping = psycopg.pq.Escaping(conn.pgconn)
         self._parts: list[bytes] = []
@@ -163,7 +163,7 @@ class Trip:
         if prepared is None:
             if params:
                 raise psycopg.ProgrammingError("a trip takes parameters for HOT statements only")
-            self._parts.append(query.encode(self._encoding))
+            self._parts.append(query.encode(_ENCODING))
         elif prepared.params:
             assert params is not None
             self._batches = self._batches or query in _BATCHES
@@ -186,7 +186,7 @@ class Trip:
         if "\x00" in text:
             # libpq's escaping stops at a NUL: the value would arrive cut short.
             raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
-        return self._escaping.escape_literal(text.encode(self._encoding))
+        return self._escaping.escape_literal(text.encode(_ENCODING))
 
     def _json_literal(self, value: Jsonb) -> bytes:
         """A Jsonb parameter's JSON text as a literal: encoded by its own dumps (a batch's
@@ -194,7 +194,7 @@ class Trip:
         Bytes go as they are, as psycopg's Jsonb dumper sends them."""
         data = value.dumps(value.obj) if value.dumps is not None else orjson.dumps(value.obj)
         if isinstance(data, str):
-            data = data.encode(self._encoding)
+            data = data.encode(_ENCODING)
         data = bytes(data)
         if b"\x00" in data:
             raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
@@ -209,7 +209,7 @@ class Trip:
         conn = self.connection
         if conn not in _sessions:
             await _prepare(conn, _HOT)
-            _sessions[conn] = _encoding(conn)
+            _sessions.add(conn)
         if self._batches and conn not in _batch_sessions:
             await _prepare(conn, _BATCHES)
             _batch_sessions.add(conn)
@@ -275,16 +275,6 @@ def _element(value: Any) -> str:
     if isinstance(value, _ARRAYS):  # quoted, it would arrive as text, not as a sub-array
         raise TypeError("a trip cannot send nested arrays")
     return '"' + _text(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _encoding(conn: psycopg.AsyncConnection[Any]) -> str:
-    """The Python codec of the literals' bytes: the session's client encoding, but UTF-8 where
-    that is SQL_ASCII (psycopg says 'ascii'), which takes bytes as they come: psycopg's own
-    str dumpers send UTF-8 there too, so a non-ASCII result or handler name is stored as it
-    was before trips, not refused (attack5: a SQL_ASCII database's worker failed every such
-    outcome and could not claim a non-ASCII handler)."""
-    encoding = conn.info.encoding
-    return "utf-8" if encoding == "ascii" else encoding
 
 
 async def _prepare(conn: psycopg.AsyncConnection[Any], which: dict[str, _Prepared]) -> None:

@@ -60,12 +60,9 @@ class _Databases:
         return create_database(self._server, prefix="runpool_test", template=self._template)
 
     def take(self) -> str:
-        try:
-            dsn = self._next.result(timeout=60)
-        except psycopg.Error:  # the server was away (a test stopped it): clone now instead
-            dsn = self._create()
-        self._next = self._thread.submit(self._create)
-        return dsn
+        """This test's clone (its failure is this test's error), the next one begun."""
+        current, self._next = self._next, self._thread.submit(self._create)
+        return current.result(timeout=60)
 
     def drop(self, dsn: str) -> None:
         drop_database(self._server, dsn)

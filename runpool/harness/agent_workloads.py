@@ -101,9 +101,10 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
             # The poll's own statements are transactions of this database too.
             commits = _xacts(stats, name) - commits - polls - len(batches)
         extra, failed = conn.execute(LOSSES).fetchone() or (0, 0)
-        tool_ms = [ms for (r,) in conn.execute(RESULTS) for ms in r["tool_ms"]]
-        message_ms = [ms for (r,) in conn.execute(RESULTS) for ms in r["message_ms"]]
-        checkpoint_ms = [ms for (r,) in conn.execute(RESULTS) for ms in r["checkpoint_ms"]]
+        results = [r for (r,) in conn.execute(RESULTS)]
+    tool_ms = [ms for r in results for ms in r["tool_ms"]]
+    checkpoint_ms = [ms for r in results for ms in r["checkpoint_ms"]]
+    message_ms = [ms for r in results for ms in r["message_ms"]]
     calls = len(tool_ms)
     beat = lease / 3
     lag = [max(a - beat, 0.0) for a in ages]
