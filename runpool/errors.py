@@ -24,7 +24,21 @@ __all__ = [
     "UsageError",
     "WaitTimeout",
     "WorkerFailed",
+    "describe",
 ]
+
+
+def describe(value: object) -> str:
+    """`str(value)` for an error document or a log line, whatever the value is: handler code
+    raises exceptions whose `__str__` raises, and passes `Fail` a reason that is no str; the
+    run must still end with what can be said of it, not with an error of ours."""
+    if isinstance(value, str):
+        return value
+    try:
+        return str(value)
+    except Exception:
+        # As the traceback module says it.
+        return f"<{type(value).__qualname__} str() failed>"
 
 
 class RunpoolError(Exception):

@@ -18,7 +18,7 @@ from . import faults
 from .claiming import ClaimedRun, PendingClaim, Statements, read_claimed
 from .db import NO_JIT, dumps, loads, one_trip
 from .deadlines import bounded, transient
-from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout
+from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout, describe
 from .queries import QUERIES
 from .trips import Rows, Trip
 
@@ -91,23 +91,24 @@ def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_
     """A handler's exception: fail now when retrying cannot help, else retry after an
     exponential backoff with jitter (capped at an hour)."""
     if isinstance(exc, Fail):
-        return failed(run_id, attempt, "failed", exc.reason)
+        return failed(run_id, attempt, "failed", describe(exc.reason))
     if isinstance(exc, ToolOutcomeUnknown):
         # Retrying would meet the same unknown outcome: the handler had to handle it.
-        return failed(run_id, attempt, "tool_outcome_unknown", str(exc))
+        return failed(run_id, attempt, "tool_outcome_unknown", describe(exc))
     if isinstance(exc, BudgetExceeded):
         # More attempts would spend more of what is already spent.
-        return failed(run_id, attempt, "budget_exceeded", str(exc), limit=exc.limit)
+        return failed(run_id, attempt, "budget_exceeded", describe(exc), limit=exc.limit)
     if isinstance(exc, InvalidInput):
         # Bad data from the handler fails the same way on every attempt: no retry storm.
-        return failed(run_id, attempt, "invalid_input", str(exc))
+        return failed(run_id, attempt, "invalid_input", describe(exc))
     if isinstance(exc, WaitTimeout):
         # Its wait stays timed out in every attempt (the wait's answer is kept).
-        return failed(run_id, attempt, "wait_timeout", str(exc))
+        return failed(run_id, attempt, "wait_timeout", describe(exc))
     if no_retry and isinstance(exc, no_retry):
-        return failed(run_id, attempt, "non_retryable", str(exc), type=type(exc).__name__)
+        return failed(run_id, attempt, "non_retryable", describe(exc),
+                      type=type(exc).__name__)
     return retry_after(run_id, attempt, attempts_used, backoff, error_doc(
-        "exception", str(exc), type=type(exc).__name__,
+        "exception", describe(exc), type=type(exc).__name__,
         traceback="".join(traceback.format_exception(exc)[-5:])))
 
 

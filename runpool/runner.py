@@ -22,7 +22,7 @@ from .commits import CommitGroup
 from .context import Run
 from .control import RunControl
 from .deadlines import again, bounded
-from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown, WaitTimeout
+from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown, WaitTimeout, describe
 from .logs import run_log_context
 from .outcomes import Outcome, OutcomeWriter
 from .progress import Publisher
@@ -131,7 +131,8 @@ class SlotRunner:
                 logger.exception("internal error running %s", slot.claimed.id,
                                  extra={"action": "run_internal_error", **slot.extra})
                 outcome = outcomes.failed(slot.claimed.id, slot.claimed.attempt,
-                                          "internal_error", repr(exc))
+                                          "internal_error",
+                                          f"{type(exc).__qualname__}: {describe(exc)}")
             # Whatever ended the handler's coroutine (return, cancel, lease loss, drain), a
             # thread of the run may still run: until it returns, the run keeps its slot, its
             # lease and its status (never released, never recorded ended).

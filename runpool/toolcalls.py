@@ -21,7 +21,7 @@ from . import faults, telemetry
 from .attempt import Attempt
 from .db import encode, jsonb
 from .deadlines import transient
-from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown
+from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, describe
 from .limits import check_name
 from .tasks import finish_anyway
 
@@ -189,7 +189,7 @@ class ToolCalls(Attempt):
             raise
         except Exception as exc:
             # The tool's failure is part of the conversation: the model sees it and adapts.
-            return "failed", {"error": {"type": type(exc).__name__, "message": str(exc)}}
+            return "failed", {"error": {"type": type(exc).__name__, "message": describe(exc)}}
 
     def _remember(self, call_id: str, name: str, arguments: Any, status: str,
                   result: Any) -> None:

@@ -162,6 +162,28 @@ async def bad_names(run: runpool.Run) -> Any:
     return {"raised": raised, "seq": message.seq}
 
 
+class Unprintable(Exception):
+    """Handler code's exception whose text cannot be had."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+async def _unprintable_tool(arguments: Any, key: str) -> Any:
+    raise Unprintable()
+
+
+@app.handler("unprintable")
+async def unprintable(run: runpool.Run) -> Any:
+    """Raises what cannot be put into words: `how` says what (a Fail whose reason is no str,
+    an exception whose str() raises); a tool raising the latter first."""
+    found = await run.tool("c0", "broken", {}, _unprintable_tool)
+    await run.add_message("assistant", {"tool_said": found})
+    if run.input["how"] == "fail_int":
+        raise runpool.Fail(404)  # type: ignore[arg-type]  # what typed code cannot do
+    raise Unprintable()
+
+
 @app.handler("agent_sync")
 def agent_sync(run: runpool.Run) -> Any:
     run.add_message_sync("assistant", {"turn": 0})

@@ -156,6 +156,32 @@ def test_handler_passes_lone_surrogates_and_forged_fragments__each_call_is_inval
     assert_invariants(conn)
 
 
+def test_unprintable_exceptions_and_reasons__the_run_ends_as_its_kind_says_with_what_can_be_said(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # A Fail whose reason is no str and an exception whose str() raises made the outcome's
+    # own code raise: the run ended internal_error (and a tool's such exception escaped the
+    # tool call, its intent left 'started'). Now the Fail fails the run with its reason's
+    # text, the exception is retried (and fails on its last attempt) with a placeholder
+    # text, and the tool's is a failed tool call the handler reads.
+    fail_int = runpool.enqueue(conn, "acme", "unprintable", {"how": "fail_int"})
+    raising = runpool.enqueue(conn, "acme", "unprintable", {"how": "raise"}, max_attempts=2)
+    with running_pool(dsn, concurrency=4, retry_backoff_seconds=0.05):
+        wait_for(lambda: _terminal(conn, fail_int) and _terminal(conn, raising), what="runs")
+    row = run_row(conn, fail_int)
+    assert (row["status"], row["error"]) == ("failed", {"reason": "failed", "message": "404"})
+    row = run_row(conn, raising)
+    assert (row["status"], row["attempt"]) == ("failed", 2), row
+    assert row["error"]["reason"] == "exception", row["error"]
+    assert row["error"]["message"] == "<Unprintable str() failed>", row["error"]
+    assert row["error"]["type"] == "Unprintable"
+    for run_id in (fail_int, raising):
+        call = conn.execute("SELECT status, result FROM runpool.tool_calls WHERE run_id = %s",
+                            (run_id,)).fetchone()
+        assert call == ("failed", {"error": {"type": "Unprintable",
+                                             "message": "<Unprintable str() failed>"}}), call
+    assert_invariants(conn)
+
+
 def test_worker_loop_dies__the_runs_in_flight_are_drained_not_left_to_expire(
         conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     app = runpool.App()
