@@ -54,6 +54,17 @@ KEEPALIVES: dict[str, Any] = {
     # that encoding and store mojibake. The server converts to the database's encoding.
     "client_encoding": "UTF8",
 }
+# The LISTEN connection waits idle by design, and a black-holed path (a dead NAT entry, a
+# firewall dropping the flow) raises nothing on an idle socket: only keepalives notice it.
+# At the pooled connections' pace that took ~19 s, while the host's wake-ups and cancel
+# notices fell back to the poll and the heartbeat; probed this often it is noticed in ~6 s
+# (three small packets every 3 s of silence, no query, no transaction).
+LISTEN_KEEPALIVES: Final[dict[str, Any]] = {
+    "keepalives_idle": 3,
+    "keepalives_interval": 1,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 6_000,
+}
 # Seconds a new connection may take to be established (psycopg's default is 130 s): one
 # started while the network is silent (a listener's or a pool's reconnect) would otherwise
 # hang for two minutes after the path heals. The DSN's (or PGCONNECT_TIMEOUT's) value wins.
@@ -270,10 +281,13 @@ def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
 
 
 async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
-                   name: str | None = None) -> psycopg.AsyncConnection[Any]:
-    """An async runpool connection; `name`: its application_name, unless the DSN has one."""
+                   name: str | None = None, listen: bool = False
+                   ) -> psycopg.AsyncConnection[Any]:
+    """An async runpool connection; `name`: its application_name, unless the DSN has one;
+    `listen`: a LISTEN connection (LISTEN_KEEPALIVES)."""
     extra = _named(dsn, STATELESS_OPTIONS if stateless else {}, name)
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **_options(dsn), **extra)
+    options = {**_options(dsn), **LISTEN_KEEPALIVES} if listen else _options(dsn)
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **options, **extra)
     configure(conn)
     if stateless:
         await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)

@@ -106,7 +106,7 @@ class Listener:
         delay = 0.1
         while True:
             try:
-                conn = await aconnect(self._dsn, autocommit=True,
+                conn = await aconnect(self._dsn, autocommit=True, listen=True,
                                       name=application_name(LISTEN_NAME))
             except psycopg.OperationalError as exc:
                 logger.warning(

@@ -11,7 +11,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,50 @@ def test_partition__a_cut_off_hosts_runs_are_reclaimed_elsewhere_and_invariants_
                                 " AND status = 'succeeded'", ids) == 16
             assert watch.samples > 10
             assert_invariants(conn, watch=watch)
+
+
+def _lines(proc: subprocess.Popen[str], seen: list[str]) -> Callable[[], list[str]]:
+    """What the probe printed so far (read by a thread: a pipe read would block)."""
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line.strip())
+
+    threading.Thread(target=read, daemon=True).start()
+    return lambda: list(seen)
+
+
+def test_listen_connection_black_holed__noticed_within_seconds_then_rejoined() -> None:
+    # The LISTEN connection sits idle by design, and a silent path raises nothing on an idle
+    # socket: only keepalives notice. At the pooled connections' pace (10 s, then 3 x 3 s)
+    # the host's wake-ups fell back to the poll for ~19 s; the LISTEN connection's own
+    # (db.LISTEN_KEEPALIVES: 3 s, then 3 x 1 s) notice in ~6 s.
+    with netns_hosts(1) as (host,), \
+            cluster(addresses=("127.0.0.1", host.server_address)) as node:
+        dsn = migrated_database(node.dsn())
+        dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+        there = with_database(node.dsn(host=host.server_address), str(dbname))
+        seen: list[str] = []
+        probe = subprocess.Popen(host.command([sys.executable, "-m", "tests.listen_probe", there]),
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True, start_new_session=True)
+        try:
+            lines = _lines(probe, seen)
+            with connect(dsn, autocommit=True) as conn:
+                wait_for(lambda: "connected" in lines(), timeout=30, what="the probe listening")
+                conn.execute("NOTIFY runpool_wakeup")
+                wait_for(lambda: "wake" in lines(), timeout=10, what="a doorbell heard")
+                host.cut()
+                try:
+                    # Bounded below the old keepalives' ~19 s, with room for a slow machine.
+                    wait_for(lambda: "lost" in lines(), timeout=14, what="the cut noticed")
+                finally:
+                    host.heal()
+                wait_for(lambda: lines().count("connected") == 2, timeout=30,
+                         what="listening again")
+                conn.execute("NOTIFY runpool_wakeup")
+                wait_for(lambda: lines().count("wake") == 2, timeout=10,
+                         what="a doorbell heard after the rejoin")
+        finally:
+            os.killpg(probe.pid, signal.SIGKILL)
+            probe.wait(timeout=10)
