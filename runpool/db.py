@@ -41,8 +41,9 @@ __all__ = [
 
 
 # Keepalives let the kernel notice a half-open idle connection (a peer that vanished) in
-# ~20 s instead of two hours; tcp_user_timeout does the same for data sent and never
-# acknowledged, which keepalives do not cover.
+# ~30 s instead of two hours (Linux aborts on tcp_user_timeout once it is set, whatever
+# keepalives_count says); tcp_user_timeout does the same for data sent and never
+# acknowledged, which keepalives do not cover. A DSN's own keepalive settings win (TUNABLE).
 KEEPALIVES: dict[str, Any] = {
     "keepalives": 1,
     "keepalives_idle": 10,
@@ -56,27 +57,39 @@ KEEPALIVES: dict[str, Any] = {
 }
 # The LISTEN connection waits idle by design, and a black-holed path (a dead NAT entry, a
 # firewall dropping the flow) raises nothing on an idle socket: only keepalives notice it.
-# At the pooled connections' pace that took ~19 s, while the host's wake-ups and cancel
-# notices fell back to the poll and the heartbeat; probed this often it is noticed in ~6 s
-# (three small packets every 3 s of silence, no query, no transaction).
+# At the pooled connections' pace that took ~31 s, while the host's wake-ups and cancel
+# notices fell back to the poll and the heartbeat; probed this often it is noticed in at most
+# ~10 s (small packets after 4 s of silence, no query, no transaction). The price: a path
+# silent for more than ~4-6 s (a router's failover) costs the LISTEN connection a reconnect
+# and each worker one catch-up claim.
 LISTEN_KEEPALIVES: Final[dict[str, Any]] = {
-    "keepalives_idle": 3,
-    "keepalives_interval": 1,
+    "keepalives_idle": 4,
+    "keepalives_interval": 2,
     "keepalives_count": 3,
-    "tcp_user_timeout": 6_000,
+    "tcp_user_timeout": 10_000,
 }
+# The keepalive settings a DSN may set for itself (an operator on a flaky path relaxes them):
+# its values win over runpool's. client_encoding does not: runpool's JSON is UTF-8.
+TUNABLE: Final = frozenset({"keepalives", "keepalives_idle", "keepalives_interval",
+                            "keepalives_count", "tcp_user_timeout"})
 # Seconds a new connection may take to be established (psycopg's default is 130 s): one
 # started while the network is silent (a listener's or a pool's reconnect) would otherwise
 # hang for two minutes after the path heals. The DSN's (or PGCONNECT_TIMEOUT's) value wins.
 CONNECT_TIMEOUT = 10
 
 
-def _options(dsn: str, connect_timeout: int | None = None) -> dict[str, Any]:
-    """Keyword options of every runpool connection: keepalives and a bounded attempt."""
-    if connect_timeout is None and ("connect_timeout" in conninfo_to_dict(dsn)
+def _options(dsn: str, connect_timeout: int | None = None, *, listen: bool = False
+             ) -> dict[str, Any]:
+    """Keyword options of every runpool connection: keepalives (`listen`: a LISTEN
+    connection's) and a bounded attempt; the DSN's own keepalive settings and connect_timeout
+    win."""
+    given = conninfo_to_dict(dsn)
+    wanted = {**KEEPALIVES, **LISTEN_KEEPALIVES} if listen else KEEPALIVES
+    options = {k: v for k, v in wanted.items() if k not in TUNABLE or k not in given}
+    if connect_timeout is None and ("connect_timeout" in given
                                     or os.environ.get("PGCONNECT_TIMEOUT")):
-        return dict(KEEPALIVES)
-    return {**KEEPALIVES, "connect_timeout": connect_timeout or CONNECT_TIMEOUT}
+        return options
+    return {**options, "connect_timeout": connect_timeout or CONNECT_TIMEOUT}
 
 
 # The client encoding a caller's connection must have (under SQL_ASCII psycopg reads text
@@ -286,8 +299,8 @@ async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = Fals
     """An async runpool connection; `name`: its application_name, unless the DSN has one;
     `listen`: a LISTEN connection (LISTEN_KEEPALIVES)."""
     extra = _named(dsn, STATELESS_OPTIONS if stateless else {}, name)
-    options = {**_options(dsn), **LISTEN_KEEPALIVES} if listen else _options(dsn)
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **options, **extra)
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True,
+                                                 **_options(dsn, listen=listen), **extra)
     configure(conn)
     if stateless:
         await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)

@@ -7,9 +7,13 @@ TimeoutError, UsageError a RuntimeError), so code written against the built-in k
 
 from __future__ import annotations
 
+from typing import Final
+
 import checkpoints
 
 __all__ = [
+    "CODE_ERRORS",
+    "TEXT_LIMIT",
     "AppNotFound",
     "BudgetExceeded",
     "DatabaseTimeout",
@@ -25,20 +29,52 @@ __all__ = [
     "WaitTimeout",
     "WorkerFailed",
     "describe",
+    "storable",
+    "type_name",
 ]
+
+
+# What handler code (a handler, a tool) may raise that ends its call as an error: every
+# exception but the control flow (asyncio.CancelledError, waits.Suspended). KeyboardInterrupt
+# and SystemExit too: a worker ignores SIGINT, so they come from the code itself (a
+# sys.exit() in a handler), and let through they would end the worker process and every
+# other tenant's run in it.
+CODE_ERRORS: Final = (Exception, KeyboardInterrupt, SystemExit, GeneratorExit)
+# The most characters of one text in an error document (a message, a traceback).
+TEXT_LIMIT: Final = 4000
 
 
 def describe(value: object) -> str:
     """`str(value)` for an error document or a log line, whatever the value is: handler code
-    raises exceptions whose `__str__` raises, and passes `Fail` a reason that is no str; the
-    run must still end with what can be said of it, not with an error of ours."""
-    if isinstance(value, str):
-        return value
+    raises exceptions whose `__str__` raises (anything, SystemExit included), returns what is
+    no str or a str subclass with methods of its own, or a megabyte; and passes `Fail` a
+    reason that is no str. The run must still end with what can be said of it, not with an
+    error of ours: the text is an exact str of at most TEXT_LIMIT characters, storable as
+    JSON text (storable)."""
     try:
-        return str(value)
-    except Exception:
-        # As the traceback module says it.
-        return f"<{type(value).__qualname__} str() failed>"
+        text = value if type(value) is str else str(value)
+        if type(text) is not str:
+            text = str.__str__(text)  # a copy, as an exact str: none of the subclass's methods
+    except BaseException:  # as the traceback module does: a synchronous call, no cancellation
+        text = f"<{type_name(value)} str() failed>"
+    return storable(text)
+
+
+def type_name(value: object) -> str:
+    """The name of `value`'s type, or a placeholder when even that cannot be read (a
+    metaclass can make it raise)."""
+    try:
+        name = type(value).__name__
+        return str.__str__(name) if isinstance(name, str) else "<unnamed>"
+    except BaseException:
+        return "<unnamed>"
+
+
+def storable(text: str) -> str:
+    """`text` (an exact str) cut to TEXT_LIMIT characters, then with its NUL characters
+    escaped and lone surrogates replaced: JSON text PostgreSQL stores. Cut first, so a
+    megabyte costs no more than its first TEXT_LIMIT characters."""
+    return text[:TEXT_LIMIT].replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")
 
 
 class RunpoolError(Exception):

@@ -18,7 +18,15 @@ from . import faults
 from .claiming import ClaimedRun, PendingClaim, Statements, read_claimed
 from .db import NO_JIT, dumps, loads, one_trip
 from .deadlines import bounded, transient
-from .errors import BudgetExceeded, Fail, InvalidInput, ToolOutcomeUnknown, WaitTimeout, describe
+from .errors import (
+    BudgetExceeded,
+    Fail,
+    InvalidInput,
+    ToolOutcomeUnknown,
+    WaitTimeout,
+    describe,
+    type_name,
+)
 from .queries import QUERIES
 from .trips import Rows, Trip
 
@@ -58,11 +66,8 @@ class Outcome:
 
 def error_doc(reason: str, message: str, **more: Any) -> bytes:
     """An error document that is always storable, whatever the exception text holds."""
-    def clean(text: str) -> str:
-        return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")[:4000]
-
-    doc = {"reason": reason, "message": clean(message)}
-    doc.update({k: clean(str(v)) for k, v in more.items()})
+    doc = {"reason": reason, "message": describe(message)}
+    doc.update({k: describe(v) for k, v in more.items()})
     return dumps(doc)
 
 
@@ -86,7 +91,7 @@ def from_result(run_id: uuid.UUID, attempt: int, result: Any, *, max_bytes: int)
     return Outcome(run_id, attempt, "succeeded", result=data)
 
 
-def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_used: int,
+def from_exception(run_id: uuid.UUID, attempt: int, exc: BaseException, *, attempts_used: int,
                    backoff: float, no_retry: tuple[type[BaseException], ...]) -> Outcome:
     """A handler's exception: fail now when retrying cannot help, else retry after an
     exponential backoff with jitter (capped at an hour)."""
@@ -105,11 +110,21 @@ def from_exception(run_id: uuid.UUID, attempt: int, exc: Exception, *, attempts_
         # Its wait stays timed out in every attempt (the wait's answer is kept).
         return failed(run_id, attempt, "wait_timeout", describe(exc))
     if no_retry and isinstance(exc, no_retry):
-        return failed(run_id, attempt, "non_retryable", describe(exc),
-                      type=type(exc).__name__)
+        return failed(run_id, attempt, "non_retryable", describe(exc), type=type_name(exc))
+    message = describe(exc)
     return retry_after(run_id, attempt, attempts_used, backoff, error_doc(
-        "exception", describe(exc), type=type(exc).__name__,
-        traceback="".join(traceback.format_exception(exc)[-5:])))
+        "exception", message, type=type_name(exc), traceback=_traceback(exc, message)))
+
+
+def _traceback(exc: BaseException, message: str) -> str:
+    """The exception's last frames and its line, from `message` (its text, taken once: a
+    `__str__` may be slow, huge or hostile, and traceback.format_exception would call it
+    again)."""
+    try:
+        frames = "".join(traceback.format_tb(exc.__traceback__)[-4:])
+    except BaseException:  # a frame's hostile source or locals: the line alone
+        frames = ""
+    return f"{frames}{type_name(exc)}: {message}\n"
 
 
 def retry_after(run_id: uuid.UUID, attempt: int, attempts_used: int, backoff: float,

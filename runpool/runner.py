@@ -22,7 +22,16 @@ from .commits import CommitGroup
 from .context import Run
 from .control import RunControl
 from .deadlines import again, bounded
-from .errors import Fail, InvalidInput, LeaseLost, ToolOutcomeUnknown, WaitTimeout, describe
+from .errors import (
+    CODE_ERRORS,
+    Fail,
+    InvalidInput,
+    LeaseLost,
+    ToolOutcomeUnknown,
+    WaitTimeout,
+    describe,
+    type_name,
+)
 from .logs import run_log_context
 from .outcomes import Outcome, OutcomeWriter
 from .progress import Publisher
@@ -131,8 +140,7 @@ class SlotRunner:
                 logger.exception("internal error running %s", slot.claimed.id,
                                  extra={"action": "run_internal_error", **slot.extra})
                 outcome = outcomes.failed(slot.claimed.id, slot.claimed.attempt,
-                                          "internal_error",
-                                          f"{type(exc).__qualname__}: {describe(exc)}")
+                                          "internal_error", f"{type_name(exc)}: {describe(exc)}")
             # Whatever ended the handler's coroutine (return, cancel, lease loss, drain), a
             # thread of the run may still run: until it returns, the run keeps its slot, its
             # lease and its status (never released, never recorded ended).
@@ -226,23 +234,36 @@ class SlotRunner:
             # The run is someone else's now; nothing of this attempt may be written.
             self.abandon(slot, "a checkpoint write found the lease taken", cancel=False)
             return None
-        except Exception as exc:
+        except CODE_ERRORS as exc:
             if slot.control.suspended:
                 return self._suspended(slot)
             if slot.stop_reason in ENDING:
                 # E.g. a plain handler's tool_sync refusing to start a call after the cancel.
                 return self._stopped_outcome(slot)
-            if not isinstance(exc, Fail | InvalidInput | ToolOutcomeUnknown | WaitTimeout):
-                logger.warning("run %s raised %s", c.id, type(exc).__name__,
-                               extra={"action": "run_raised", **slot.extra})
-            return outcomes.from_exception(
-                c.id, c.attempt, exc, attempts_used=c.attempts_used,
-                backoff=s.retry_backoff_seconds, no_retry=handler.no_retry)
+            return self._raised(slot, exc, handler.no_retry)
         if slot.control.suspended:
             return self._suspended(slot)
         if slot.control.cancelled:
             return self._stopped_outcome(slot)
         return outcomes.from_result(c.id, c.attempt, result, max_bytes=s.max_result_bytes)
+
+    def _raised(self, slot: Slot, exc: BaseException,
+                no_retry: tuple[type[BaseException], ...]) -> Outcome:
+        """The outcome of the handler's exception (its kind decides: see from_exception)."""
+        c, s = slot.claimed, self._settings
+        try:
+            if not isinstance(exc, Fail | InvalidInput | ToolOutcomeUnknown | WaitTimeout):
+                logger.warning("run %s raised %s", c.id, type_name(exc),
+                               extra={"action": "run_raised", **slot.extra})
+            return outcomes.from_exception(
+                c.id, c.attempt, exc, attempts_used=c.attempts_used,
+                backoff=s.retry_backoff_seconds, no_retry=no_retry)
+        except BaseException:  # an exception that defeats even isinstance
+            # (a __class__ that raises): retried as any other exception, said as it can be.
+            return outcomes.retry_after(
+                c.id, c.attempt, c.attempts_used, s.retry_backoff_seconds,
+                outcomes.error_doc("exception", "<an exception that cannot be read>",
+                                   type=type_name(exc)))
 
     def _after_suspend(self, slot: Slot) -> None:
         self._lingering[slot] = asyncio.get_running_loop().call_later(

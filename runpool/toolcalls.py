@@ -21,7 +21,7 @@ from . import faults, telemetry
 from .attempt import Attempt
 from .db import encode, jsonb
 from .deadlines import transient
-from .errors import InvalidInput, LeaseLost, ToolOutcomeUnknown, describe
+from .errors import CODE_ERRORS, InvalidInput, LeaseLost, ToolOutcomeUnknown, describe, type_name
 from .limits import check_name
 from .tasks import finish_anyway
 
@@ -187,9 +187,10 @@ class ToolCalls(Attempt):
             return "succeeded", value
         except LeaseLost:
             raise
-        except Exception as exc:
-            # The tool's failure is part of the conversation: the model sees it and adapts.
-            return "failed", {"error": {"type": type(exc).__name__, "message": describe(exc)}}
+        except CODE_ERRORS as exc:
+            # The tool's failure is part of the conversation: the model sees it and adapts
+            # (its text as describe() can say it: cut, NUL escaped, still the tool's).
+            return "failed", {"error": {"type": type_name(exc), "message": describe(exc)}}
 
     def _remember(self, call_id: str, name: str, arguments: Any, status: str,
                   result: Any) -> None:

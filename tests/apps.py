@@ -7,6 +7,7 @@ import enum
 import gc
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -163,25 +164,64 @@ async def bad_names(run: runpool.Run) -> Any:
 
 
 class Unprintable(Exception):
-    """Handler code's exception whose text cannot be had."""
+    """Handler code's exception whose text cannot be had: its str() raises what the class
+    says (`raises`), anything from RuntimeError to SystemExit."""
+
+    raises: type[BaseException] = RuntimeError
 
     def __str__(self) -> str:
-        raise RuntimeError("no text for you")
+        raise self.raises("no text for you")
 
 
-async def _unprintable_tool(arguments: Any, key: str) -> Any:
-    raise Unprintable()
+class EvilStr(str):
+    """A str whose methods are not str's."""
+
+    def replace(self, *args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("evil replace")
+
+
+class Huge(Exception):
+    def __str__(self) -> str:
+        return "x" * 10_000_000
+
+
+def _unprintable(raises: str) -> BaseException:
+    kinds: dict[str, type[BaseException]] = {
+        "RuntimeError": RuntimeError, "SystemExit": SystemExit,
+        "KeyboardInterrupt": KeyboardInterrupt, "GeneratorExit": GeneratorExit,
+        "CancelledError": asyncio.CancelledError}
+    exc = Unprintable()
+    exc.raises = kinds[raises]
+    return exc
 
 
 @app.handler("unprintable")
 async def unprintable(run: runpool.Run) -> Any:
-    """Raises what cannot be put into words: `how` says what (a Fail whose reason is no str,
-    an exception whose str() raises); a tool raising the latter first."""
-    found = await run.tool("c0", "broken", {}, _unprintable_tool)
+    """Raises what cannot be put into words (`how`), after a tool call that raises an
+    exception whose str() raises `tool` (async tools; `sync_tool`: a plain def one)."""
+    raises = run.input.get("tool", "RuntimeError")
+
+    async def broken(arguments: Any, key: str) -> Any:
+        raise _unprintable(raises)
+
+    def broken_sync(arguments: Any, key: str) -> Any:
+        raise _unprintable(raises)
+
+    found = await run.tool("c0", "broken", {}, broken_sync if run.input.get("sync_tool")
+                           else broken)
     await run.add_message("assistant", {"tool_said": found})
-    if run.input["how"] == "fail_int":
+    how = run.input["how"]
+    if how == "fail_int":
         raise runpool.Fail(404)  # type: ignore[arg-type]  # what typed code cannot do
-    raise Unprintable()
+    if how == "fail_evil_str":
+        raise runpool.Fail(EvilStr("evil reason"))
+    if how == "huge":
+        raise Huge()
+    if how == "sys_exit":
+        sys.exit(3)
+    if how == "keyboard":
+        raise KeyboardInterrupt()
+    raise _unprintable(how)
 
 
 @app.handler("agent_sync")

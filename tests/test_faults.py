@@ -62,6 +62,33 @@ def test_blackholed_database__worker_gives_up_its_lease_and_recovers_after_heali
     assert_invariants(conn)
 
 
+def test_keepalives__the_listen_connection_probes_sooner_and_a_dsns_own_settings_win(
+        dsn: str) -> None:
+    """Every connection gets runpool's keepalives and the LISTEN connection its faster ones
+    (db.LISTEN_KEEPALIVES); an operator's DSN that sets its own (a flaky path, relaxed) wins,
+    but not over client_encoding UTF8 (runpool's JSON is UTF-8)."""
+    def params(conn: Any) -> dict[str, str]:
+        got = conn.info.get_parameters()
+        return {k: got[k] for k in ("keepalives_idle", "keepalives_interval",
+                                    "keepalives_count", "tcp_user_timeout")}
+
+    async def listening(target: str) -> tuple[dict[str, str], str | None]:
+        async with await aconnect(target, autocommit=True, listen=True) as conn:
+            return params(conn), conn.info.parameter_status("client_encoding")
+
+    with connect(dsn) as conn:
+        assert params(conn) == {"keepalives_idle": "10", "keepalives_interval": "3",
+                                "keepalives_count": "3", "tcp_user_timeout": "30000"}
+    assert asyncio.run(listening(dsn)) == ({"keepalives_idle": "4", "keepalives_interval": "2",
+                                            "keepalives_count": "3",
+                                            "tcp_user_timeout": "10000"}, "UTF8")
+    relaxed = dsn + " keepalives_idle=60 tcp_user_timeout=120000 client_encoding=LATIN1"
+    assert asyncio.run(listening(relaxed)) == ({"keepalives_idle": "60",
+                                                "keepalives_interval": "2",
+                                                "keepalives_count": "3",
+                                                "tcp_user_timeout": "120000"}, "UTF8")
+
+
 def test_blackholed_connect__gives_up_at_the_default_connect_timeout(
         dsn: str, proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
     """A connection attempt started while the network is silent (a listener's reconnect, a

@@ -15,6 +15,7 @@ from psycopg.rows import dict_row
 import runpool
 from runpool.cancellation import EARLY_MAX, Canceller
 from runpool.claiming import ClaimedRun
+from runpool.errors import TEXT_LIMIT
 from runpool.listener import ClaimBudget
 from runpool.settings import Settings
 from runpool.slot import Slot
@@ -160,25 +161,45 @@ def test_unprintable_exceptions_and_reasons__the_run_ends_as_its_kind_says_with_
         conn: psycopg.Connection, dsn: str) -> None:
     # A Fail whose reason is no str and an exception whose str() raises made the outcome's
     # own code raise: the run ended internal_error (and a tool's such exception escaped the
-    # tool call, its intent left 'started'). Now the Fail fails the run with its reason's
-    # text, the exception is retried (and fails on its last attempt) with a placeholder
-    # text, and the tool's is a failed tool call the handler reads.
-    fail_int = runpool.enqueue(conn, "acme", "unprintable", {"how": "fail_int"})
-    raising = runpool.enqueue(conn, "acme", "unprintable", {"how": "raise"}, max_attempts=2)
-    with running_pool(dsn, concurrency=4, retry_backoff_seconds=0.05):
-        wait_for(lambda: _terminal(conn, fail_int) and _terminal(conn, raising), what="runs")
-    row = run_row(conn, fail_int)
-    assert (row["status"], row["error"]) == ("failed", {"reason": "failed", "message": "404"})
-    row = run_row(conn, raising)
-    assert (row["status"], row["attempt"]) == ("failed", 2), row
-    assert row["error"]["reason"] == "exception", row["error"]
-    assert row["error"]["message"] == "<Unprintable str() failed>", row["error"]
-    assert row["error"]["type"] == "Unprintable"
-    for run_id in (fail_int, raising):
+    # tool call, its intent left 'started'). A str() raising SystemExit or KeyboardInterrupt,
+    # or a handler's own sys.exit(), ended the worker process and every run in it (the attack
+    # on the first fix: a poison pill, each claim killing its worker). Now each run ends as
+    # its kind says, with the text that can be had, and the run beside them is untouched.
+    unreadable = "<Unprintable str() failed>"
+    cases = {
+        "fail_int": ("failed", "failed", "404"),
+        "fail_evil_str": ("failed", "failed", "evil reason"),
+        "RuntimeError": ("failed", "exception", unreadable),
+        "SystemExit": ("failed", "exception", unreadable),
+        "KeyboardInterrupt": ("failed", "exception", unreadable),
+        "CancelledError": ("failed", "exception", unreadable),
+        "sys_exit": ("failed", "exception", "3"),
+        "keyboard": ("failed", "exception", ""),
+        "huge": ("failed", "exception", "x" * TEXT_LIMIT),
+    }
+    tools = {"fail_int": ("SystemExit", False), "fail_evil_str": ("GeneratorExit", True),
+             "RuntimeError": ("KeyboardInterrupt", True)}
+    ids = {how: runpool.enqueue(conn, "acme", "unprintable",
+                                {"how": how, "tool": tools.get(how, ("RuntimeError", False))[0],
+                                 "sync_tool": tools.get(how, ("", False))[1]}, max_attempts=2)
+           for how in cases}
+    other = runpool.enqueue(conn, "other", "agent", {"steps": 3})
+    with running_pool(dsn, workers=1, concurrency=12, retry_backoff_seconds=0.05):
+        wait_for(lambda: all(_terminal(conn, r) for r in [*ids.values(), other]), what="runs")
+        # No run killed the worker: the one process that started is the one still working.
+        assert scalar(conn, "SELECT count(*) FROM runpool.workers") == 1
+    for how, (status, reason, message) in cases.items():
+        row = run_row(conn, ids[how])
+        assert (row["status"], row["error"]["reason"]) == (status, reason), (how, row)
+        assert row["error"]["message"] == message, (how, row["error"]["message"][:100])
+        assert row["attempt"] == (1 if reason == "failed" else 2), (how, row)
         call = conn.execute("SELECT status, result FROM runpool.tool_calls WHERE run_id = %s",
-                            (run_id,)).fetchone()
-        assert call == ("failed", {"error": {"type": "Unprintable",
-                                             "message": "<Unprintable str() failed>"}}), call
+                            (ids[how],)).fetchone()
+        assert call == ("failed", {"error": {"type": "Unprintable", "message": unreadable}}), \
+            (how, call)
+    assert run_row(conn, ids["sys_exit"])["error"]["type"] == "SystemExit"
+    assert run_row(conn, ids["RuntimeError"])["error"]["type"] == "Unprintable"
+    assert (run_row(conn, other)["status"], run_row(conn, other)["attempt"]) == ("succeeded", 1)
     assert_invariants(conn)
 
 
