@@ -69,7 +69,8 @@ LISTEN_KEEPALIVES: Final[dict[str, Any]] = {
     "tcp_user_timeout": 10_000,
 }
 # The keepalive settings a DSN may set for itself (an operator on a flaky path relaxes them):
-# its values win over runpool's. client_encoding does not: runpool's JSON is UTF-8.
+# a DSN that sets any of them has its own (libpq's defaults for the rest), not runpool's.
+# client_encoding is not one of them: runpool's JSON is UTF-8.
 TUNABLE: Final = frozenset({"keepalives", "keepalives_idle", "keepalives_interval",
                             "keepalives_count", "tcp_user_timeout"})
 # Seconds a new connection may take to be established (psycopg's default is 130 s): one
@@ -85,7 +86,10 @@ def _options(dsn: str, connect_timeout: int | None = None, *, listen: bool = Fal
     win."""
     given = conninfo_to_dict(dsn)
     wanted = {**KEEPALIVES, **LISTEN_KEEPALIVES} if listen else KEEPALIVES
-    options = {k: v for k, v in wanted.items() if k not in TUNABLE or k not in given}
+    # A DSN that tunes any of them tunes them all: runpool's tcp_user_timeout beside the
+    # DSN's longer keepalives_idle would abort at the first unanswered probe.
+    tuned = not TUNABLE.isdisjoint(given)
+    options = {k: v for k, v in wanted.items() if not (tuned and k in TUNABLE)}
     if connect_timeout is None and ("connect_timeout" in given
                                     or os.environ.get("PGCONNECT_TIMEOUT")):
         return options

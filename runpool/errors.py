@@ -74,7 +74,8 @@ def storable(text: str) -> str:
     """`text` (an exact str) cut to TEXT_LIMIT characters, then with its NUL characters
     escaped and lone surrogates replaced: JSON text PostgreSQL stores. Cut first, so a
     megabyte costs no more than its first TEXT_LIMIT characters."""
-    return text[:TEXT_LIMIT].replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")
+    escaped = text[:TEXT_LIMIT].replace("\x00", "\\0")[:TEXT_LIMIT]
+    return escaped.encode("utf-8", "replace").decode("utf-8")
 
 
 class RunpoolError(Exception):

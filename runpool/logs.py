@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from .errors import InvalidInput
 
-__all__ = ["FORMATS", "RunContextFilter", "run_log_context", "setup_logging"]
+__all__ = ["FORMATS", "RunContextFilter", "in_run", "run_log_context", "setup_logging"]
 
 FORMATS: Final = ("text", "json")
 _LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -52,6 +52,11 @@ class run_log_context:
 
     def __exit__(self, *exc: object) -> None:
         _run.reset(self._token)
+
+
+def in_run() -> bool:
+    """Whether the caller runs in a run's context (its handler's task, what that starts)."""
+    return _run.get() is not None
 
 
 class RunContextFilter(logging.Filter):

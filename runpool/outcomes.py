@@ -96,13 +96,14 @@ def from_exception(run_id: uuid.UUID, attempt: int, exc: BaseException, *, attem
     """A handler's exception: fail now when retrying cannot help, else retry after an
     exponential backoff with jitter (capped at an hour)."""
     if isinstance(exc, Fail):
-        return failed(run_id, attempt, "failed", describe(exc.reason))
+        return failed(run_id, attempt, "failed", _read(exc, "reason"))
     if isinstance(exc, ToolOutcomeUnknown):
         # Retrying would meet the same unknown outcome: the handler had to handle it.
         return failed(run_id, attempt, "tool_outcome_unknown", describe(exc))
     if isinstance(exc, BudgetExceeded):
         # More attempts would spend more of what is already spent.
-        return failed(run_id, attempt, "budget_exceeded", describe(exc), limit=exc.limit)
+        return failed(run_id, attempt, "budget_exceeded", describe(exc),
+                      limit=_read(exc, "limit"))
     if isinstance(exc, InvalidInput):
         # Bad data from the handler fails the same way on every attempt: no retry storm.
         return failed(run_id, attempt, "invalid_input", describe(exc))
@@ -116,12 +117,21 @@ def from_exception(run_id: uuid.UUID, attempt: int, exc: BaseException, *, attem
         "exception", message, type=type_name(exc), traceback=_traceback(exc, message)))
 
 
+def _read(exc: BaseException, name: str) -> str:
+    """An attribute of the handler's exception as text, or a placeholder if reading it raises
+    (a subclass's property): a Fail still fails its run."""
+    try:
+        return describe(getattr(exc, name))
+    except BaseException:
+        return f"<{name} cannot be read>"
+
+
 def _traceback(exc: BaseException, message: str) -> str:
     """The exception's last frames and its line, from `message` (its text, taken once: a
     `__str__` may be slow, huge or hostile, and traceback.format_exception would call it
     again)."""
     try:
-        frames = "".join(traceback.format_tb(exc.__traceback__)[-4:])
+        frames = "".join(traceback.format_tb(exc.__traceback__, limit=-4))
     except BaseException:  # a frame's hostile source or locals: the line alone
         frames = ""
     return f"{frames}{type_name(exc)}: {message}\n"

@@ -217,15 +217,22 @@ class SlotRunner:
                 with telemetry.agent_span(c.id, c.handler):
                     result = await (handler.fn(run) if is_async
                                     else slot.control.threads.call(handler.fn, run))
-        except Suspended:
-            return self._suspended(slot)
-        except asyncio.CancelledError:
+        except Suspended as exc:
+            if slot.control.suspended:
+                return self._suspended(slot)
+            # Raised by the handler's own code, no wait committed: an exception like any other.
+            return self._raised(slot, exc, handler.no_retry)
+        except asyncio.CancelledError as exc:
             if slot.control.suspended:
                 return self._suspended(slot)
             if slot.stop_reason in ENDING:
                 return self._stopped_outcome(slot)
             # lease_lost: another attempt may own the run now; shutdown: released by the drain.
             if slot.stop_reason is None:
+                task = asyncio.current_task()
+                if task is not None and not task.cancelling():
+                    # Nobody cancelled this task: the handler's code raised it itself.
+                    return self._raised(slot, exc, handler.no_retry)
                 raise
             return None
         except LeaseLost:

@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Final
+from typing import Any, Final
 
 from . import otel_setup
 from .app import App, load_app
-from .errors import SchemaOutOfDate, UsageError, WorkerFailed
+from .errors import SchemaOutOfDate, UsageError, WorkerFailed, type_name
 from .exits import EXIT_CONFIG, EXIT_ORPHANED, EXIT_STUCK
+from .logs import in_run
 from .pool import Pool
 from .relay import pair, run_relay_process
 from .settings import Settings
@@ -75,20 +76,55 @@ def _tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
+class TaskExited(RuntimeError):
+    """A task that a run's code created raised SystemExit or KeyboardInterrupt (its cause)."""
+
+
+def _contained_task(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any
+                    ) -> asyncio.Task[Any]:
+    """The worker loop's task factory. asyncio lets SystemExit and KeyboardInterrupt raised in
+    a task out of the loop itself (a handler's `asyncio.gather(...)` of a coroutine calling
+    sys.exit() ended the worker and every other tenant's run in it, or wedged it draining):
+    a task created in a run's context turns them into TaskExited, an exception of that run."""
+    if in_run():
+        coro = _contain(coro)
+    return asyncio.Task(coro, loop=loop, **kwargs)
+
+
+async def _contain(coro: Any) -> Any:
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise TaskExited(f"a task of the run's code raised {type_name(exc)}") from exc
+
+
 def run_worker_process(settings: Settings, dsn: str, app: App, parent_fd: int | None,
                        notices_fd: int | None = None) -> int:
     """The body of one worker process; returns its exit code. `notices_fd`: its end of the
     host's notice relay (None: a LISTEN connection of its own, if listening)."""
     _tune_gc()
+    runner = asyncio.Runner(loop_factory=_loop_factory(settings))
     try:
-        with asyncio.Runner(loop_factory=_loop_factory(settings)) as runner:
-            return runner.run(_worker_async(settings, dsn, app, parent_fd, notices_fd))
+        runner.get_loop().set_task_factory(_contained_task)
+        return runner.run(_worker_async(settings, dsn, app, parent_fd, notices_fd))
+    except (SystemExit, KeyboardInterrupt) as exc:
+        # Out of the loop all the same (a task created outside any run's context): the
+        # loop's state is unknown, and closing it would wait for tasks that may never end (a
+        # worker wedged, its leases held). The process ends at once; the supervisor starts
+        # another, and the runs it held are reclaimed when their leases expire.
+        logger.critical("%s escaped the worker's event loop; exiting", type_name(exc),
+                        extra={"action": "worker_loop_escaped"})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     except SchemaOutOfDate as exc:
         logger.error("%s", exc, extra={"action": "schema_out_of_date"})
         return EXIT_CONFIG
     except UsageError as exc:  # a database this configuration cannot run on (see Pool.start)
         logger.error("%s", exc, extra={"action": "unusable_configuration"})
         return EXIT_CONFIG
+    finally:
+        runner.close()
 
 
 def _loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop] | None:

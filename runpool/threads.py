@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .errors import describe
+
 __all__ = ["RunThreads"]
 
 T = TypeVar("T")
@@ -66,9 +68,12 @@ class RunThreads:
                 return
             if exc is None:
                 future.set_result(result)
-            elif isinstance(exc, asyncio.CancelledError):
-                # Not the awaiting task's own cancellation: an error of the thread's code.
-                future.set_exception(RuntimeError(f"the thread raised CancelledError: {exc}"))
+            elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
+                # Not the awaiting task's own cancellation: an error of the thread's code. (A
+                # GeneratorExit thrown into the awaiting task would close the coroutines it
+                # awaits, and the run's own code after them could never record its end.)
+                future.set_exception(RuntimeError(
+                    f"the thread raised {type(exc).__name__}: {describe(exc)}"))
             else:
                 future.set_exception(exc)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import gc
 import logging
@@ -15,6 +16,7 @@ import orjson
 
 import runpool
 from runpool.testing import record_execution
+from runpool.waits import Suspended
 
 app = runpool.App()
 
@@ -195,6 +197,49 @@ def _unprintable(raises: str) -> BaseException:
     return exc
 
 
+class FailNoReason(runpool.Fail):
+    """A Fail whose reason cannot be read."""
+
+    @property
+    def reason(self) -> str:
+        raise SystemExit("no reason")
+
+    @reason.setter
+    def reason(self, value: str) -> None:
+        pass
+
+
+@app.handler("escape_loop")
+async def escape_loop(run: runpool.Run) -> Any:
+    """Starts, outside any run's context, a task that calls sys.exit(): nothing contains it,
+    and it leaves the worker's event loop; then waits, deaf to cancellation."""
+    async def boom() -> None:
+        sys.exit(9)
+
+    loop = asyncio.get_running_loop()
+    loop.call_soon(lambda: loop.create_task(boom()), context=contextvars.Context())
+    # And it ignores being cancelled (a loop closed after the escape waits for it).
+    end = loop.time() + 120
+    while loop.time() < end:
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            pass
+    return None
+
+
+@app.handler("generator_exit")
+def generator_exit(run: runpool.Run) -> Any:
+    """A plain handler whose sync tool raises GeneratorExit (the tool's failure is read and
+    the handler goes on), then raises GeneratorExit itself."""
+    def tool(arguments: Any, key: str) -> Any:
+        raise GeneratorExit("from the tool")
+
+    found = run.tool_sync("c0", "genexit", {}, tool)
+    run.add_message_sync("assistant", {"tool_said": found})
+    raise GeneratorExit("from the handler")
+
+
 @app.handler("unprintable")
 async def unprintable(run: runpool.Run) -> Any:
     """Raises what cannot be put into words (`how`), after a tool call that raises an
@@ -211,6 +256,18 @@ async def unprintable(run: runpool.Run) -> Any:
                            else broken)
     await run.add_message("assistant", {"tool_said": found})
     how = run.input["how"]
+    if how in ("gather_exit", "wait_for_exit"):
+        # sys.exit() in a task of the handler's own: asyncio lets it out of the loop.
+        async def boom() -> None:
+            sys.exit(7)
+
+        await (asyncio.gather(boom()) if how == "gather_exit" else asyncio.wait_for(boom(), 5))
+    if how == "suspended":  # the control flow of a committed wait, with no wait committed
+        raise Suspended()
+    if how == "cancelled":  # a CancelledError nobody's cancel caused
+        raise asyncio.CancelledError()
+    if how == "fail_no_reason":
+        raise FailNoReason()
     if how == "fail_int":
         raise runpool.Fail(404)  # type: ignore[arg-type]  # what typed code cannot do
     if how == "fail_evil_str":

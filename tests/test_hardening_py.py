@@ -176,6 +176,14 @@ def test_unprintable_exceptions_and_reasons__the_run_ends_as_its_kind_says_with_
         "sys_exit": ("failed", "exception", "3"),
         "keyboard": ("failed", "exception", ""),
         "huge": ("failed", "exception", "x" * TEXT_LIMIT),
+        # sys.exit() in a task the handler made (asyncio lets it out of the loop: the worker
+        # ended, or wedged draining), a Suspended or CancelledError raised by the code itself
+        # (the run was held to its lease's end), a Fail whose reason cannot be read.
+        "gather_exit": ("failed", "exception", "a task of the run's code raised SystemExit"),
+        "wait_for_exit": ("failed", "exception", "a task of the run's code raised SystemExit"),
+        "suspended": ("failed", "exception", ""),
+        "cancelled": ("failed", "exception", ""),
+        "fail_no_reason": ("failed", "failed", "<reason cannot be read>"),
     }
     tools = {"fail_int": ("SystemExit", False), "fail_evil_str": ("GeneratorExit", True),
              "RuntimeError": ("KeyboardInterrupt", True)}
@@ -183,9 +191,13 @@ def test_unprintable_exceptions_and_reasons__the_run_ends_as_its_kind_says_with_
                                 {"how": how, "tool": tools.get(how, ("RuntimeError", False))[0],
                                  "sync_tool": tools.get(how, ("", False))[1]}, max_attempts=2)
            for how in cases}
+    genexit = runpool.enqueue(conn, "acme", "generator_exit", max_attempts=2)
     other = runpool.enqueue(conn, "other", "agent", {"steps": 3})
-    with running_pool(dsn, workers=1, concurrency=12, retry_backoff_seconds=0.05):
-        wait_for(lambda: all(_terminal(conn, r) for r in [*ids.values(), other]), what="runs")
+    # A lease far longer than the wait: a run held to its lease's end fails the wait.
+    with running_pool(dsn, workers=1, concurrency=12, retry_backoff_seconds=0.05,
+                      lease_seconds=120):
+        wait_for(lambda: all(_terminal(conn, r) for r in [*ids.values(), genexit, other]),
+                 timeout=30, what="runs")
         # No run killed the worker: the one process that started is the one still working.
         assert scalar(conn, "SELECT count(*) FROM runpool.workers") == 1
     for how, (status, reason, message) in cases.items():
@@ -198,8 +210,40 @@ def test_unprintable_exceptions_and_reasons__the_run_ends_as_its_kind_says_with_
         assert call == ("failed", {"error": {"type": "Unprintable", "message": unreadable}}), \
             (how, call)
     assert run_row(conn, ids["sys_exit"])["error"]["type"] == "SystemExit"
+    assert run_row(conn, ids["gather_exit"])["error"]["type"] == "TaskExited"
+    assert run_row(conn, ids["suspended"])["error"]["type"] == "Suspended"
+    assert run_row(conn, ids["cancelled"])["error"]["type"] == "CancelledError"
+    # A plain handler: its sync tool's GeneratorExit is a failed call it reads, its own
+    # GeneratorExit an exception of the run (a GeneratorExit thrown into the awaiting task
+    # closed the coroutines under it: nothing recorded, the run held to its lease's end).
+    row = run_row(conn, genexit)
+    assert (row["status"], row["attempt"], row["error"]["reason"]) == \
+        ("failed", 2, "exception"), row
+    assert row["error"]["message"] == "the thread raised GeneratorExit: from the handler"
+    assert conn.execute("SELECT status, result FROM runpool.tool_calls WHERE run_id = %s",
+                        (genexit,)).fetchone() == ("failed", {"error": {
+                            "type": "RuntimeError",
+                            "message": "the thread raised GeneratorExit: from the tool"}})
     assert run_row(conn, ids["RuntimeError"])["error"]["type"] == "Unprintable"
     assert (run_row(conn, other)["status"], run_row(conn, other)["attempt"]) == ("succeeded", 1)
+    assert_invariants(conn)
+
+
+def test_sys_exit_out_of_the_event_loop__the_worker_exits_at_once_and_is_replaced(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # A SystemExit no task factory contains (a task made outside any run's context) leaves
+    # the loop; closing the loop then waited for tasks that never ended: the worker hung
+    # draining, its leases held, and nothing restarted it. It now exits at once; the
+    # supervisor starts another, and the runs it held are reclaimed when their leases expire.
+    escape = runpool.enqueue(conn, "acme", "escape_loop", max_attempts=1)
+    other = runpool.enqueue(conn, "other", "sleep", {"seconds": 2})
+    with running_pool(dsn, workers=1, concurrency=4, lease_seconds=3, poll_seconds=0.5):
+        wait_for(lambda: _terminal(conn, escape) and _terminal(conn, other), timeout=40,
+                 what="runs ended")
+        assert scalar(conn, "SELECT count(*) FROM runpool.workers") >= 2  # replaced
+    row = run_row(conn, escape)
+    assert (row["status"], row["error"]["reason"]) == ("failed", "lease_expired"), row
+    assert run_row(conn, other)["status"] == "succeeded"
     assert_invariants(conn)
 
 
