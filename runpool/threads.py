@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .errors import describe
+from .errors import describe, type_name
 
 __all__ = ["RunThreads"]
 
@@ -72,8 +72,10 @@ class RunThreads:
                 # Not the awaiting task's own cancellation: an error of the thread's code. (A
                 # GeneratorExit thrown into the awaiting task would close the coroutines it
                 # awaits, and the run's own code after them could never record its end.)
+                # (type_name, describe: this callback must not raise, or the future is
+                # never settled and the run's slot is held for good.)
                 future.set_exception(RuntimeError(
-                    f"the thread raised {type(exc).__name__}: {describe(exc)}"))
+                    f"the thread raised {type_name(exc)}: {describe(exc)}"))
             else:
                 future.set_exception(exc)
 
