@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final
 
+import psycopg
+
 from . import otel_setup
 from .app import App, load_app
-from .errors import SchemaOutOfDate, UsageError, WorkerFailed, type_name
+from .errors import SchemaOutOfDate, UsageError, WorkerFailed, describe, type_name
 from .exits import EXIT_CONFIG, EXIT_ORPHANED, EXIT_STUCK
 from .logs import in_run
 from .pool import Pool
@@ -172,7 +174,18 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
     # (built from OTEL_*), which the pool then uses; it flushes them, bounded, on the way out.
     providers = otel_setup.from_env(pool.worker_id)
     try:
-        await pool.start()
+        try:
+            await pool.start()
+        except psycopg.OperationalError as exc:
+            # The database is down or refused us (no such database or role, a password):
+            # a traceback explains nothing here, and a worker cannot mend it. One line; the
+            # supervisor starts the worker again with its backoff, so the host recovers by
+            # itself once the database answers.
+            logger.error("cannot start: the database did not accept the connection: %s",
+                         " ".join(describe(exc).split()),
+                         extra={"action": "database_unreachable",
+                                "worker_id": str(pool.worker_id)})
+            return 1
         await pool.wait()
     except WorkerFailed:
         if pool.exit_code:

@@ -21,7 +21,8 @@ import runpool
 from runpool import cli as runpool_cli
 from runpool.db import aconnect, connect
 from runpool.migrate import applied_versions, check, migrate, migrations
-from tests.helpers import ROOT, pool_env, run_row, wait_for
+from runpool.testing.databases import drop_database, with_database
+from tests.helpers import ROOT, pool_env, run_row, running_pool, wait_for
 
 
 def cli(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -295,3 +296,34 @@ def test_demo__completes_with_no_run_left_waiting(conn: psycopg.Connection, dsn:
         " FROM sample_agent_effects e WHERE e.run_id = r.id)"
         " FROM runpool.runs r WHERE r.handler = 'guarded_delete'").fetchone() \
         == ("succeeded", "true", ["delete_records", "search"])
+
+
+def test_worker_command__a_database_it_cannot_reach_is_one_line_a_try_and_it_recovers(
+        server_dsn: str) -> None:
+    """A DSN naming a database that does not exist yet: each worker says so in one line (no
+    traceback), the supervisor restarts it with its backoff, and once the database exists
+    the pool starts by itself, and drains on SIGTERM."""
+    name = f"runpool_later_{uuid.uuid4().hex[:12]}"
+    later = with_database(server_dsn, name)
+    try:
+        with running_pool(later, workers=2, stop="drain") as proc:
+            wait_for(lambda: proc.log().count("action=database_unreachable") >= 4,
+                     what="two tries of each worker")
+            assert "Traceback" not in proc.log(), proc.log()[-3000:]
+            assert f'database "{name}" does not exist' in proc.log()
+            with psycopg.connect(server_dsn, autocommit=True) as admin:
+                admin.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(
+                    psycopg.sql.Identifier(name)))
+            with connect(later, autocommit=True) as conn:
+                migrate(conn)
+                # The backoff is at most 4 s by the third try.
+                wait_for(lambda: proc.log().count("action=worker_started") == 2, timeout=30,
+                         what="both workers started")
+                run_id = runpool.enqueue(conn, "acme", "noop")
+                wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded",
+                         what="the run done")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, proc.log()[-3000:]
+            assert "Traceback" not in proc.log(), proc.log()[-3000:]
+    finally:
+        drop_database(server_dsn, later)
