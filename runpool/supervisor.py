@@ -29,6 +29,7 @@ from types import FrameType
 from typing import Any, Final
 
 import psycopg
+from psycopg_pool import PoolTimeout
 
 from . import otel_setup
 from .app import App, load_app
@@ -42,6 +43,10 @@ from .settings import Settings
 __all__ = ["Supervisor", "load_app", "run_worker_process"]
 
 logger = logging.getLogger("runpool.supervisor")
+
+# What psycopg raises when it cannot connect at all (its pool: when no connection came in
+# time); a subclass (QueryCanceled, ...) is a statement's error, not the connection's.
+_UNREACHABLE: Final = (psycopg.OperationalError, PoolTimeout)
 
 # An orphaned worker (its supervisor died) that has not finished stopping after this many
 # seconds exits at once, with EXIT_ORPHANED.
@@ -177,6 +182,8 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
         try:
             await pool.start()
         except psycopg.OperationalError as exc:
+            if type(exc) not in _UNREACHABLE:
+                raise  # an error of a statement (a timeout, say): its traceback may help
             # The database is down or refused us (no such database or role, a password):
             # a traceback explains nothing here, and a worker cannot mend it. One line; the
             # supervisor starts the worker again with its backoff, so the host recovers by
