@@ -18,7 +18,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
-from .errors import InvalidInput, UsageError
+from .errors import DatabaseUnreachable, InvalidInput, UsageError
 from .tasks import finish_anyway
 
 __all__ = [
@@ -33,8 +33,10 @@ __all__ = [
     "jsonb",
     "loads",
     "loads_exact",
+    "one_line",
     "one_trip",
     "open_pool",
+    "reach",
     "require_utf8",
     "translate_error",
 ]
@@ -297,6 +299,23 @@ def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
     return conn
 
 
+def reach(dsn: str, setting: str, *, stateless: bool = False, name: str | None = None
+          ) -> psycopg.Connection[Any]:
+    """connect() in autocommit, for a check at start: a connection that cannot be made at all
+    (refused, timed out, no such database or role, a password) raises DatabaseUnreachable,
+    naming the setting whose DSN it was and PostgreSQL's reason, on one line."""
+    try:
+        return connect(dsn, autocommit=True, stateless=stateless, name=name)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnreachable(f"{setting} cannot be connected to: {one_line(exc)}"
+                                  ) from exc
+
+
+def one_line(exc: BaseException) -> str:
+    """A psycopg error's text on one line (libpq's connection errors span several)."""
+    return " ".join(str(exc).split())
+
+
 async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
                    name: str | None = None, listen: bool = False
                    ) -> psycopg.AsyncConnection[Any]:
@@ -327,7 +346,7 @@ def check_stateless(conn: psycopg.Connection[Any], listen_dsn: str) -> None:
     """Refuse a database whose single statements would not run read committed (a stateless
     connection cannot pin the level for its session, see STATELESS_OPTIONS), and a LISTEN
     DSN that reaches another database than `conn`'s."""
-    with connect(listen_dsn, autocommit=True, name=application_name(CHECK_NAME)) as direct:
+    with reach(listen_dsn, "RUNPOOL_LISTEN_DSN", name=application_name(CHECK_NAME)) as direct:
         listening = direct.execute(WHICH_DATABASE).fetchone()
     working = conn.execute(WHICH_DATABASE).fetchone()
     if listening != working:

@@ -17,6 +17,7 @@ __all__ = [
     "AppNotFound",
     "BudgetExceeded",
     "DatabaseTimeout",
+    "DatabaseUnreachable",
     "Fail",
     "InvalidInput",
     "LeaseLost",
@@ -110,6 +111,11 @@ class DatabaseTimeout(RunpoolError, TimeoutError):
     """The database did not answer in time."""
 
 
+class DatabaseUnreachable(RunpoolError, ConnectionError):
+    """The database could not be connected to: it is down or out of reach, or it refused the
+    login (no such database or role, a password)."""
+
+
 class UsageError(RunpoolError, RuntimeError):
     """runpool was called in a way it does not support (e.g. a *_sync method on the loop)."""
 
@@ -163,6 +169,6 @@ class BudgetExceeded(RunpoolError):
 
 
 for _cls in (RunpoolError, InvalidInput, NotFound, LeaseLost, AppNotFound, DatabaseTimeout,
-             UsageError, WorkerFailed, SchemaOutOfDate, UnsafeSchema, ToolOutcomeUnknown, Fail,
-             BudgetExceeded, WaitTimeout):
+             DatabaseUnreachable, UsageError, WorkerFailed, SchemaOutOfDate, UnsafeSchema,
+             ToolOutcomeUnknown, Fail, BudgetExceeded, WaitTimeout):
     _cls.__module__ = "runpool"

@@ -12,7 +12,7 @@ from typing import Final
 
 import psycopg
 
-from .db import aconnect, application_name
+from .db import aconnect, application_name, one_line
 
 __all__ = ["CANCEL", "LISTEN_NAME", "SCHEDULES", "WAKEUP", "ClaimBudget", "Listener"]
 
@@ -110,7 +110,7 @@ class Listener:
                                       name=application_name(LISTEN_NAME))
             except psycopg.OperationalError as exc:
                 logger.warning(
-                    "listen connection failed: %s", exc,
+                    "listen connection failed: %s", one_line(exc),
                     extra={"action": "listen_connect_failed", "worker_id": str(self._worker_id)},
                 )
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))

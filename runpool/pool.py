@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from .app import App, load_app
-from .db import check_stateless, connect
+from .db import check_stateless, reach
 from .errors import InvalidInput, WorkerFailed
 from .migrate import check
 from .settings import Settings
@@ -83,8 +83,9 @@ class Pool:
     async def start(self) -> None:
         """Check the schema, then start claiming; returns once the worker is registered.
 
-        Raises SchemaOutOfDate on a database this runpool does not match (run `python -m
-        runpool migrate`), UsageError behind a pooler whose database would not run runpool's
+        Raises DatabaseUnreachable when it cannot connect at all (a ConnectionError),
+        SchemaOutOfDate on a database this runpool does not match (run `python -m runpool
+        migrate`), UsageError behind a pooler whose database would not run runpool's
         statements read committed or whose listen_dsn reaches another database (see
         db.check_stateless), and whatever stopped the worker from starting.
         """
@@ -156,7 +157,7 @@ class Pool:
 
 
 def _check_schema(dsn: str, listen_dsn: str | None) -> None:
-    with connect(dsn, autocommit=True, stateless=listen_dsn is not None) as conn:
+    with reach(dsn, "RUNPOOL_DSN", stateless=listen_dsn is not None) as conn:
         check(conn)
         if listen_dsn is not None:
             check_stateless(conn, listen_dsn)

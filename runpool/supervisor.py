@@ -28,12 +28,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final
 
-import psycopg
-from psycopg_pool import PoolTimeout
-
 from . import otel_setup
 from .app import App, load_app
-from .errors import SchemaOutOfDate, UsageError, WorkerFailed, describe, type_name
+from .errors import DatabaseUnreachable, SchemaOutOfDate, UsageError, WorkerFailed, type_name
 from .exits import EXIT_CONFIG, EXIT_ORPHANED, EXIT_STUCK
 from .logs import in_run
 from .pool import Pool
@@ -43,10 +40,6 @@ from .settings import Settings
 __all__ = ["Supervisor", "load_app", "run_worker_process"]
 
 logger = logging.getLogger("runpool.supervisor")
-
-# What psycopg raises when it cannot connect at all (its pool: when no connection came in
-# time); a subclass (QueryCanceled, ...) is a statement's error, not the connection's.
-_UNREACHABLE: Final = (psycopg.OperationalError, PoolTimeout)
 
 # An orphaned worker (its supervisor died) that has not finished stopping after this many
 # seconds exits at once, with EXIT_ORPHANED.
@@ -181,17 +174,13 @@ async def _worker_async(settings: Settings, dsn: str, app: App, parent_fd: int |
     try:
         try:
             await pool.start()
-        except psycopg.OperationalError as exc:
-            if type(exc) not in _UNREACHABLE:
-                raise  # an error of a statement (a timeout, say): its traceback may help
+        except DatabaseUnreachable as exc:
             # The database is down or refused us (no such database or role, a password):
             # a traceback explains nothing here, and a worker cannot mend it. One line; the
             # supervisor starts the worker again with its backoff, so the host recovers by
             # itself once the database answers.
-            logger.error("cannot start: the database did not accept the connection: %s",
-                         " ".join(describe(exc).split()),
-                         extra={"action": "database_unreachable",
-                                "worker_id": str(pool.worker_id)})
+            logger.error("cannot start: %s", exc, extra={
+                "action": "database_unreachable", "worker_id": str(pool.worker_id)})
             return 1
         await pool.wait()
     except WorkerFailed:

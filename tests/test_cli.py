@@ -310,6 +310,7 @@ def test_worker_command__a_database_it_cannot_reach_is_one_line_a_try_and_it_rec
             wait_for(lambda: proc.log().count("action=database_unreachable") >= 4,
                      what="two tries of each worker")
             assert "Traceback" not in proc.log(), proc.log()[-3000:]
+            assert "RUNPOOL_DSN cannot be connected to: connection failed:" in proc.log()
             assert f'database "{name}" does not exist' in proc.log()
             with psycopg.connect(server_dsn, autocommit=True) as admin:
                 admin.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(

@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -297,3 +298,34 @@ def test_a_side_task_that_swallows_its_cancellation__the_pool_still_stops(
         await asyncio.wait_for(pool.drain(), 10)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("case", ["no_such_database", "silent_server", "listen_dsn"])
+def test_start__a_dsn_it_cannot_connect_to_raises_DatabaseUnreachable_naming_it(
+        case: str, dsn: str, server_dsn: str) -> None:
+    """Refused, or a server that accepts the TCP connection and never answers (past the DSN's
+    connect_timeout): a ConnectionError naming the setting and PostgreSQL's reason on one line,
+    and nothing registered."""
+    from runpool.testing.databases import with_database
+
+    silent = socket.create_server(("127.0.0.1", 0))  # never accepts: the handshake stalls
+    missing = with_database(server_dsn, f"runpool_missing_{uuid.uuid4().hex[:8]}")
+    port = silent.getsockname()[1]
+    target, listen_dsn, setting, reason = {
+        "no_such_database": (missing, None, "RUNPOOL_DSN", "does not exist"),
+        "silent_server": (f"postgresql://postgres@127.0.0.1:{port}/x?connect_timeout=1", None,
+                          "RUNPOOL_DSN", "timeout"),
+        "listen_dsn": (dsn, missing, "RUNPOOL_LISTEN_DSN", "does not exist"),
+    }[case]
+
+    async def start() -> None:
+        await runpool.Pool(app, dsn=target, listen_dsn=listen_dsn).start()
+
+    with silent, pytest.raises(runpool.DatabaseUnreachable) as raised:
+        asyncio.run(start())
+    message = str(raised.value)
+    assert isinstance(raised.value, ConnectionError)
+    assert message.startswith(f"{setting} cannot be connected to: "), message
+    assert reason in message and "\n" not in message, message
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM runpool.workers").fetchone() == (0,)
