@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 
 from . import __version__, faults, otel_setup
-from .db import connect, translate_error
+from .db import connect, reach, translate_error
 from .embedded import resolve_dsn
 from .errors import AppNotFound, InvalidInput, RunpoolError
 from .exits import EXIT_CONFIG
@@ -284,8 +284,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     listens = args.command == "wait" or (args.command == "runs" and args.follow)
     if listens and settings.listen_dsn:
         dsn = settings.listen_dsn
-    with connect(dsn, autocommit=True,
-                 stateless=settings.stateless and dsn != settings.listen_dsn) as conn:
+    # Named as the user set it: a database that cannot be connected to is one line
+    # (DatabaseUnreachable, a RunpoolError main() prints), not a traceback.
+    named = ("listen_dsn (RUNPOOL_LISTEN_DSN)" if dsn == settings.listen_dsn
+             else "dsn (RUNPOOL_DSN)" if settings.dsn else "the embedded PostgreSQL")
+    with reach(dsn, named,
+               stateless=settings.stateless and dsn != settings.listen_dsn) as conn:
         if args.command == "migrate":
             return _migrate(conn, sql_only=args.sql)
         from .migrate import check, migrate
@@ -296,8 +300,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         check(conn)  # a configured database: say what to run instead of failing obscurely
         try:
             if settings.read_dsn and _reads_only(args):
-                with connect(settings.read_dsn, autocommit=True,
-                             stateless=settings.stateless) as replica:
+                with reach(settings.read_dsn, "read_dsn (RUNPOOL_READ_DSN)",
+                           stateless=settings.stateless) as replica:
                     check(replica)  # a replica still behind a migration says so
                     return run_command(replica, args, dsn, primary=conn)
             return run_command(conn, args, dsn)

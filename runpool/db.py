@@ -301,9 +301,10 @@ def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
 
 def reach(dsn: str, setting: str, *, stateless: bool = False, name: str | None = None
           ) -> psycopg.Connection[Any]:
-    """connect() in autocommit, for a check at start: a connection that cannot be made at all
-    (refused, timed out, no such database or role, a password) raises DatabaseUnreachable,
-    naming the setting whose DSN it was and PostgreSQL's reason, on one line."""
+    """connect() in autocommit, for a check at start or a command: a connection that cannot be
+    made at all (refused, timed out, no such database or role, a password) raises
+    DatabaseUnreachable, naming the setting whose DSN it was (`setting`) and PostgreSQL's
+    reason, on one line."""
     try:
         return connect(dsn, autocommit=True, stateless=stateless, name=name)
     except psycopg.OperationalError as exc:
@@ -346,7 +347,8 @@ def check_stateless(conn: psycopg.Connection[Any], listen_dsn: str) -> None:
     """Refuse a database whose single statements would not run read committed (a stateless
     connection cannot pin the level for its session, see STATELESS_OPTIONS), and a LISTEN
     DSN that reaches another database than `conn`'s."""
-    with reach(listen_dsn, "RUNPOOL_LISTEN_DSN", name=application_name(CHECK_NAME)) as direct:
+    with reach(listen_dsn, "listen_dsn (RUNPOOL_LISTEN_DSN)",
+               name=application_name(CHECK_NAME)) as direct:
         listening = direct.execute(WHICH_DATABASE).fetchone()
     working = conn.execute(WHICH_DATABASE).fetchone()
     if listening != working:

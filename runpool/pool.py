@@ -157,7 +157,7 @@ class Pool:
 
 
 def _check_schema(dsn: str, listen_dsn: str | None) -> None:
-    with reach(dsn, "RUNPOOL_DSN", stateless=listen_dsn is not None) as conn:
+    with reach(dsn, "dsn (RUNPOOL_DSN)", stateless=listen_dsn is not None) as conn:
         check(conn)
         if listen_dsn is not None:
             check_stateless(conn, listen_dsn)

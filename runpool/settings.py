@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Final
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -110,6 +111,8 @@ class Settings:
         if not 1 <= self.schedule_catchup_max <= 10_000:
             raise InvalidInput("schedule_catchup_max must be between 1 and 10000,"
                                f" got {self.schedule_catchup_max}")
+        if self.dsn:
+            _check_dsn("dsn", self.dsn)
         if self.listen_dsn is not None:
             _check_dsn("listen_dsn", self.listen_dsn)
         if self.read_dsn is not None:
@@ -167,10 +170,17 @@ class Settings:
 
 
 def _check_dsn(name: str, dsn: str) -> None:
+    """Refuse a DSN libpq cannot parse, before anything connects (or forks): with libpq's
+    reason, but not the pieces of the DSN it quotes, which may be a password."""
     try:
         conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        raise InvalidInput(f"{name} is not a PostgreSQL connection string: {exc}") from None
+        reason = _QUOTED.sub('"..."', " ".join(str(exc).split()))
+        raise InvalidInput(f"{name} is not a PostgreSQL connection string: {reason}") from None
+
+
+# What libpq's parse errors quote of the DSN.
+_QUOTED: Final = re.compile(r'"[^"]*"')
 
 
 def _parse(name: str, raw: str, type_name: str) -> Any:

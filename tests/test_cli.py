@@ -129,6 +129,31 @@ def test_bad_settings__refused_before_anything_starts(dsn: str) -> None:
     assert out.returncode == 2 and "lease_seconds must be > 0" in out.stderr
 
 
+def test_bad_dsn__refused_before_anything_starts_without_echoing_its_password(
+        server_dsn: str) -> None:
+    """A DSN libpq cannot parse is refused as the settings are read (exit 2, before any
+    fork): it used to crash-loop the workers, each traceback showing the DSN's password."""
+    bad = "postgresql://postgres:secret%zz123@127.0.0.1:5432/postgres"
+    for command in (["worker", "--app", "tests.apps:app"], ["status"]):
+        out = subprocess.run([sys.executable, "-m", "runpool", *command],
+                             env=pool_env(bad), cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2, (command, out.stderr)
+        assert "dsn is not a PostgreSQL connection string: invalid percent-encoded token" \
+            in out.stderr, out.stderr
+        assert "secret" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    with pytest.raises(runpool.InvalidInput, match="dsn is not a PostgreSQL") as raised:
+        runpool.Pool("tests.apps:app", dsn=bad)
+    assert "secret" not in str(raised.value)
+    # A command on a database that cannot be connected to: one line, no traceback.
+    missing = with_database(server_dsn, f"runpool_missing_{uuid.uuid4().hex[:8]}")
+    out = cli(missing, "status")
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("runpool: dsn (RUNPOOL_DSN) cannot be connected to: "), \
+        out.stderr
+    assert out.stderr.count("\n") == 1 and "does not exist" in out.stderr, out.stderr
+
+
 def test_app_that_cannot_be_loaded__exits_78_as_documented(dsn: str) -> None:
     # 78 is "cannot run here as configured" (README, `--help`); it used to be 1.
     for app, says in (("no.such.module:app", "cannot import app module"),
@@ -310,7 +335,7 @@ def test_worker_command__a_database_it_cannot_reach_is_one_line_a_try_and_it_rec
             wait_for(lambda: proc.log().count("action=database_unreachable") >= 4,
                      what="two tries of each worker")
             assert "Traceback" not in proc.log(), proc.log()[-3000:]
-            assert "RUNPOOL_DSN cannot be connected to: connection failed:" in proc.log()
+            assert "dsn (RUNPOOL_DSN) cannot be connected to: connection failed:" in proc.log()
             assert f'database "{name}" does not exist' in proc.log()
             with psycopg.connect(server_dsn, autocommit=True) as admin:
                 admin.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(

@@ -312,10 +312,10 @@ def test_start__a_dsn_it_cannot_connect_to_raises_DatabaseUnreachable_naming_it(
     missing = with_database(server_dsn, f"runpool_missing_{uuid.uuid4().hex[:8]}")
     port = silent.getsockname()[1]
     target, listen_dsn, setting, reason = {
-        "no_such_database": (missing, None, "RUNPOOL_DSN", "does not exist"),
+        "no_such_database": (missing, None, "dsn (RUNPOOL_DSN)", "does not exist"),
         "silent_server": (f"postgresql://postgres@127.0.0.1:{port}/x?connect_timeout=1", None,
-                          "RUNPOOL_DSN", "timeout"),
-        "listen_dsn": (dsn, missing, "RUNPOOL_LISTEN_DSN", "does not exist"),
+                          "dsn (RUNPOOL_DSN)", "timeout"),
+        "listen_dsn": (dsn, missing, "listen_dsn (RUNPOOL_LISTEN_DSN)", "does not exist"),
     }[case]
 
     async def start() -> None:
