@@ -10,7 +10,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
@@ -44,26 +44,17 @@ def template_db(server_dsn: str) -> Iterator[str]:
         yield database_name(tmpl)
 
 
-# Ends every session on a test's database (but ours), waiting up to 5 s for each to go, as
-# DROP DATABASE ... WITH (FORCE) would.
-_END_SESSIONS = ("SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
-                 " WHERE datname = %s AND pid <> pg_backend_pid()")
-
-
 class _Databases:
-    """Test databases cloned from the template one test ahead: cloning costs ~400 ms of
+    """Test databases cloned from the template one test ahead: cloning costs ~150 ms of
     waiting on the server (CREATE DATABASE), for most of the suite's tests, so the next
-    test's clone is made in a thread while this test runs. A test's database is dropped in
-    that thread too, after the next clone: a DROP DATABASE waits for a checkpoint (40-190 ms,
-    ~1.5 minutes of the suite in teardowns), no lighter on the next test than the clone
-    already made beside it. A failed drop fails the session's end (close), naming the
-    database."""
+    test's clone is made in a thread while this test runs. Drops stay in each test's own
+    teardown: a DROP DATABASE forces a checkpoint, which would otherwise land in the middle of
+    the next test, and a failed drop is that test's error."""
 
     def __init__(self, server_dsn: str, template: str) -> None:
         self._server, self._template = server_dsn, template
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="test-databases")
         self._next = self._thread.submit(self._create)
-        self._drops: list[Future[None]] = []
 
     def _create(self) -> str:
         return create_database(self._server, prefix="runpool_test", template=self._template)
@@ -74,21 +65,13 @@ class _Databases:
         return current.result(timeout=60)
 
     def drop(self, dsn: str) -> None:
-        """Drop a test's database, in the thread, after the next test's clone. Its sessions
-        end now (a process or connection the test left behind): the next test starts with
-        none of them, as a drop in the teardown left it."""
-        with psycopg.connect(self._server, autocommit=True) as admin:
-            admin.execute(_END_SESSIONS, (database_name(dsn),))
-        self._drops = [d for d in self._drops if not d.done() or d.exception() is not None]
-        self._drops.append(self._thread.submit(drop_database, self._server, dsn))
+        drop_database(self._server, dsn)
 
     def close(self) -> None:
-        """Drop the clone no test took; raise the first drop that failed."""
+        """Drop the clone no test took."""
         self._thread.shutdown(wait=True)
         with contextlib.suppress(psycopg.Error):
-            drop_database(self._server, self._next.result())
-        for dropped in self._drops:
-            dropped.result()
+            self.drop(self._next.result())
 
 
 @pytest.fixture(scope="session")
