@@ -18,7 +18,14 @@ from typing import Any
 import psycopg
 
 from . import __version__, faults, otel_setup
-from .db import connect, reach, translate_error
+from .db import (
+    DSN_SETTING,
+    LISTEN_DSN_SETTING,
+    READ_DSN_SETTING,
+    connect,
+    reach,
+    translate_error,
+)
 from .embedded import resolve_dsn
 from .errors import AppNotFound, InvalidInput, RunpoolError
 from .exits import EXIT_CONFIG
@@ -279,15 +286,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "ui":
         return _ui(settings, args.host, args.port, header_timeout=args.header_timeout,
                    max_connections=args.max_connections)
+    # Named as the user set it: a database that cannot be connected to is one line
+    # (DatabaseUnreachable, a RunpoolError main() prints), not a traceback.
     dsn = resolve_dsn(settings, announce=False)
+    named = DSN_SETTING if settings.dsn else "the embedded PostgreSQL"
     # wait and runs --follow LISTEN: behind a pooler they take the direct DSN.
     listens = args.command == "wait" or (args.command == "runs" and args.follow)
     if listens and settings.listen_dsn:
-        dsn = settings.listen_dsn
-    # Named as the user set it: a database that cannot be connected to is one line
-    # (DatabaseUnreachable, a RunpoolError main() prints), not a traceback.
-    named = ("listen_dsn (RUNPOOL_LISTEN_DSN)" if dsn == settings.listen_dsn
-             else "dsn (RUNPOOL_DSN)" if settings.dsn else "the embedded PostgreSQL")
+        dsn, named = settings.listen_dsn, LISTEN_DSN_SETTING
     with reach(dsn, named,
                stateless=settings.stateless and dsn != settings.listen_dsn) as conn:
         if args.command == "migrate":
@@ -300,7 +306,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         check(conn)  # a configured database: say what to run instead of failing obscurely
         try:
             if settings.read_dsn and _reads_only(args):
-                with reach(settings.read_dsn, "read_dsn (RUNPOOL_READ_DSN)",
+                with reach(settings.read_dsn, READ_DSN_SETTING,
                            stateless=settings.stateless) as replica:
                     check(replica)  # a replica still behind a migration says so
                     return run_command(replica, args, dsn, primary=conn)

@@ -18,11 +18,14 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
-from .errors import DatabaseUnreachable, InvalidInput, UsageError
+from .errors import DatabaseUnreachable, InvalidInput, UsageError, one_line
 from .tasks import finish_anyway
 
 __all__ = [
     "CHECK_NAME",
+    "DSN_SETTING",
+    "LISTEN_DSN_SETTING",
+    "READ_DSN_SETTING",
     "application_name",
     "check_stateless",
     "configure",
@@ -33,7 +36,6 @@ __all__ = [
     "jsonb",
     "loads",
     "loads_exact",
-    "one_line",
     "one_trip",
     "open_pool",
     "reach",
@@ -299,6 +301,13 @@ def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
     return conn
 
 
+# The settings a DSN comes from, as reach() names them: as a Pool's argument and as the
+# environment variable.
+DSN_SETTING: Final = "dsn (RUNPOOL_DSN)"
+LISTEN_DSN_SETTING: Final = "listen_dsn (RUNPOOL_LISTEN_DSN)"
+READ_DSN_SETTING: Final = "read_dsn (RUNPOOL_READ_DSN)"
+
+
 def reach(dsn: str, setting: str, *, stateless: bool = False, name: str | None = None
           ) -> psycopg.Connection[Any]:
     """connect() in autocommit, for a check at start or a command: a connection that cannot be
@@ -310,11 +319,6 @@ def reach(dsn: str, setting: str, *, stateless: bool = False, name: str | None =
     except psycopg.OperationalError as exc:
         raise DatabaseUnreachable(f"{setting} cannot be connected to: {one_line(exc)}"
                                   ) from exc
-
-
-def one_line(exc: BaseException) -> str:
-    """A psycopg error's text on one line (libpq's connection errors span several)."""
-    return " ".join(str(exc).split())
 
 
 async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
@@ -347,8 +351,7 @@ def check_stateless(conn: psycopg.Connection[Any], listen_dsn: str) -> None:
     """Refuse a database whose single statements would not run read committed (a stateless
     connection cannot pin the level for its session, see STATELESS_OPTIONS), and a LISTEN
     DSN that reaches another database than `conn`'s."""
-    with reach(listen_dsn, "listen_dsn (RUNPOOL_LISTEN_DSN)",
-               name=application_name(CHECK_NAME)) as direct:
+    with reach(listen_dsn, LISTEN_DSN_SETTING, name=application_name(CHECK_NAME)) as direct:
         listening = direct.execute(WHICH_DATABASE).fetchone()
     working = conn.execute(WHICH_DATABASE).fetchone()
     if listening != working:

@@ -30,6 +30,7 @@ __all__ = [
     "WaitTimeout",
     "WorkerFailed",
     "describe",
+    "one_line",
     "storable",
     "type_name",
 ]
@@ -59,6 +60,11 @@ def describe(value: object) -> str:
     except BaseException:  # as the traceback module does: a synchronous call, no cancellation
         text = f"<{type_name(value)} str() failed>"
     return storable(text)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's text on one line (libpq's connection and parse errors span several)."""
+    return " ".join(str(exc).split())
 
 
 def type_name(value: object) -> str:

@@ -12,7 +12,8 @@ from typing import Final
 
 import psycopg
 
-from .db import aconnect, application_name, one_line
+from .db import aconnect, application_name
+from .errors import one_line
 
 __all__ = ["CANCEL", "LISTEN_NAME", "SCHEDULES", "WAKEUP", "ClaimBudget", "Listener"]
 

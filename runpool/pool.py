@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from .app import App, load_app
-from .db import check_stateless, reach
+from .db import DSN_SETTING, check_stateless, reach
 from .errors import InvalidInput, WorkerFailed
 from .migrate import check
 from .settings import Settings
@@ -157,7 +157,7 @@ class Pool:
 
 
 def _check_schema(dsn: str, listen_dsn: str | None) -> None:
-    with reach(dsn, "dsn (RUNPOOL_DSN)", stateless=listen_dsn is not None) as conn:
+    with reach(dsn, DSN_SETTING, stateless=listen_dsn is not None) as conn:
         check(conn)
         if listen_dsn is not None:
             check_stateless(conn, listen_dsn)

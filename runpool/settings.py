@@ -11,7 +11,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from .errors import InvalidInput
+from .errors import InvalidInput, one_line
 
 __all__ = ["Settings"]
 
@@ -175,7 +175,7 @@ def _check_dsn(name: str, dsn: str) -> None:
     try:
         conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        reason = _QUOTED.sub('"..."', " ".join(str(exc).split()))
+        reason = _QUOTED.sub('"..."', one_line(exc))
         raise InvalidInput(f"{name} is not a PostgreSQL connection string: {reason}") from None
 
 
