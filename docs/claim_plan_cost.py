@@ -28,9 +28,9 @@ from runpool.queries import QUERIES  # noqa: E402
 
 # (`limited`: the claim since a4dc9f3; a tree without it simply does not use it.)
 TYPES = {"handlers": "text[]", "limit": "integer", "tenants": "text[]", "limited": "text[]",
-         "worker_id": "uuid", "lease_seconds": "float8"}
+         "worker_id": "uuid", "lease_seconds": "float8", "roomy": "boolean"}
 ARGS = {"handlers": "'{h}'", "limit": "10", "tenants": "'{t0,t1}'", "limited": "'{}'",
-        "worker_id": "gen_random_uuid()", "lease_seconds": "30"}
+        "worker_id": "gen_random_uuid()", "lease_seconds": "30", "roomy": "true"}
 FILL = """SELECT count(*) FROM runpool.enqueue_many((SELECT jsonb_agg(jsonb_build_object(
     'tenant', 't' || i %% 3, 'handler', 'h')) FROM generate_series(%s::int, %s::int) i))"""
 FINISH = """UPDATE runpool.runs SET status = 'succeeded', attempt = 1, started_at = now(),

@@ -91,6 +91,7 @@ async def claim_statements(
     handlers: Sequence[str] | None = None,
     on_schedules: Callable[[float | None, bool], None] | None = None,
     on_skipped: Callable[[bool], None] | None = None,
+    roomy: bool = False,
 ) -> PendingClaim:
     """The claim's statements, run inside the caller's pipelined transaction. Returns the
     pending claim, to be read after COMMIT (read_claimed): a run is handed to a handler only
@@ -113,6 +114,8 @@ async def claim_statements(
     the schedules' earliest plan and tells it (seconds until it, whether one needs planning).
     With `on_skipped`, it is told whether the claim passed over a quota'd tenant whose row
     another transaction held (see lock_tenants): that tenant's runs need another claim soon.
+    `roomy`: the claimer's own slots are in runpool.quota_margin (a registered worker past
+    its fleet fence), so a quota'd tenant far under its quota is claimed without its lock.
     """
     probe = None
     if reap_expired:
@@ -144,7 +147,8 @@ async def claim_statements(
         names = [h for (h,) in await cur.fetchall()]
     else:
         names = list(handlers)
-    locks = await conn.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": limit})
+    locks = await conn.execute(QUERIES["lock_tenants"],
+                               {"handlers": names, "limit": limit, "roomy": roomy})
     # A trip's locks are not sent yet either: a fault here still means nothing commits.
     faults.hit("claim.locked", conn.connection if isinstance(conn, Trip) else conn)
     params = {"limit": limit, "worker_id": worker_id, "lease_seconds": lease_seconds,

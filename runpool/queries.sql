@@ -189,9 +189,23 @@ SELECT handler FROM every_handler;
 -- may want it), nor is one that could not be.
 -- The count here may be stale; claim_runs recounts under the lock. Each tenant comes with
 -- whether it was locked: claim_runs takes nothing of one that got a quota since (see there).
--- Both lists are also left in the transaction's settings runpool.claim_tenants and
--- runpool.claim_limited, where claim_runs reads them: the two statements travel in one round
--- trip, the claim never waiting on this answer (read after COMMIT).
+-- A roomy quota'd tenant (see "Roomy tenants" below) is not locked at all, when %(roomy)s.
+-- The lists are also left in the transaction's settings runpool.claim_tenants,
+-- runpool.claim_limited and runpool.claim_roomy, where claim_runs reads them: the statements
+-- travel in one round trip, the claim never waiting on this answer (read after COMMIT).
+--
+-- Roomy tenants. A quota'd tenant whose free quota is at least runpool.quota_margin (twice
+-- the slots of every worker not stopped, 0025) cannot be pushed over its quota by any set of
+-- concurrent claims: together they cannot hold more runs than the fleet has slots. Its row is
+-- not locked, so claimers take its runs side by side instead of in turn (the peer harness's
+-- W1, quota 100,000: 797 of 2,797 claims of 2 x 10 came back empty). The rule is judged
+-- twice: here, to decide not to lock, and again in claim_runs, in a snapshot taken after this
+-- statement holds the fleet fence in share mode, whose word alone counts. The fence (advisory
+-- key 1920298608, 25) is what makes the fleet the claim counts the whole fleet: a worker that
+-- registers takes it in exclusive mode before its first claim (fence_fleet), so it waits out
+-- every claim that judged without its slots, and a claim that cannot take the share mode (a
+-- registration waits for it) locks the tenant as before. %(roomy)s: the claimer's own slots
+-- are in the margin (a registered, fenced worker; a bare claim() is not).
 WITH RECURSIVE served AS (
     -- A loose index scan per served handler: one probe per tenant with ready runs of it,
     -- giving its best rank. Runs of handlers this pool does not serve are never read.
@@ -211,18 +225,30 @@ WITH RECURSIVE served AS (
 heads AS (
     SELECT tenant, min(rank) AS rank FROM served GROUP BY tenant
 ),
-candidates AS (
-    SELECT h.tenant, h.rank, q.quota IS NOT NULL AS limited
+room AS MATERIALIZED (
+    -- Each head tenant's free quota (NULL: it has none), its live runs counted once.
+    SELECT h.tenant, h.rank, CASE WHEN q.quota IS NOT NULL THEN q.quota - q.live END AS room
     FROM heads h
     JOIN runpool.tenant_capacity q ON q.tenant = h.tenant
-    WHERE q.quota IS NULL OR q.quota > q.live
+),
+fence AS (
+    -- The fleet fence in share mode, tried once (never waited for), only by a claim whose
+    -- own slots the margin counts.
+    SELECT %(roomy)s::boolean AND pg_try_advisory_xact_lock_shared(1920298608, 25) AS held
+),
+candidates AS (
+    SELECT r.tenant, r.rank,
+           r.room IS NOT NULL AND NOT (f.held AND r.room >= m.margin) AS limited,
+           r.room IS NOT NULL AND f.held AND r.room >= m.margin AS roomy
+    FROM room r CROSS JOIN fence f CROSS JOIN runpool.quota_margin m
+    WHERE r.room IS NULL OR r.room > 0
 ),
 chosen AS (
     -- The sorted subquery feeds the nested loop in rank order and the limit stops it: the
     -- lateral lock runs only for the quota'd candidates reached (a skipped one, not chosen,
     -- does not count toward the limit).
-    SELECT c.tenant, c.rank, c.limited
-    FROM (SELECT tenant, rank, limited FROM candidates ORDER BY rank, tenant) c
+    SELECT c.tenant, c.rank, c.limited, c.roomy
+    FROM (SELECT tenant, rank, limited, roomy FROM candidates ORDER BY rank, tenant) c
     LEFT JOIN LATERAL (
         SELECT t.tenant
         FROM runpool.tenants t
@@ -240,7 +266,10 @@ noted AS (
                       coalesce(array_agg(tenant ORDER BY tenant), '{}')::text, true) AS tenants,
            set_config('runpool.claim_limited',
                       coalesce(array_agg(tenant) FILTER (WHERE limited), '{}')::text,
-                      true) AS limited
+                      true) AS limited,
+           set_config('runpool.claim_roomy',
+                      coalesce(array_agg(tenant) FILTER (WHERE roomy), '{}')::text,
+                      true) AS roomy
     FROM chosen
 )
 SELECT tenant, limited, skipped FROM (
@@ -272,16 +301,22 @@ WITH handlers AS (
 capacity AS (
     -- A quota is recounted under its tenant's lock, in this statement's fresh snapshot: no
     -- other claimer can add a live lease for the tenant until we commit, so it is exact. A
-    -- tenant without a quota is neither locked (see lock_tenants) nor counted. One that got a
-    -- quota (its own or the default) after lock_tenants chose it unlocked gets nothing now:
-    -- a count without the lock is not exact (two such claimers would each see the other's
-    -- claim uncommitted and both take the last free slot); the next claim locks it.
+    -- tenant without a quota is neither locked (see lock_tenants) nor counted. A roomy one
+    -- (see lock_tenants) is judged again here, in a snapshot taken after lock_tenants took
+    -- the fleet fence: this is the judgement that counts. One that got a quota (its own or
+    -- the default) after lock_tenants chose it unlocked, or is no longer roomy, gets nothing
+    -- now: a count without the lock is not exact (two such claimers would each see the
+    -- other's claim uncommitted and both take the last free slot); the next claim locks it.
     SELECT q.tenant,
            CASE WHEN q.quota IS NULL THEN %(limit)s
-                WHEN q.tenant <> ALL(coalesce(nullif(current_setting('runpool.claim_limited',
+                WHEN q.tenant = ANY(coalesce(nullif(current_setting('runpool.claim_limited',
                                                                     true), '')::text[], '{}'))
-                THEN 0
-                ELSE greatest(least(q.quota - q.live, %(limit)s), 0) END AS depth
+                     OR (q.tenant = ANY(coalesce(nullif(current_setting('runpool.claim_roomy',
+                                                                       true), '')::text[],
+                                                 '{}'))
+                         AND q.quota - q.live >= (SELECT m.margin FROM runpool.quota_margin m))
+                THEN greatest(least(q.quota - q.live, %(limit)s), 0)
+                ELSE 0 END AS depth
     FROM runpool.tenant_capacity q
     WHERE q.tenant = ANY(nullif(current_setting('runpool.claim_tenants', true), '')::text[])
 ),
@@ -644,6 +679,12 @@ UPDATE runpool.config SET
     default_max_attempts = coalesce(%(max_attempts)s, default_max_attempts),
     default_quota = CASE WHEN %(set_quota)s THEN %(default_quota)s ELSE default_quota END,
     max_input_bytes = coalesce(%(max_input_bytes)s, max_input_bytes);
+
+-- name: fence_fleet
+-- Wait for every claim that may have judged a tenant roomy without this worker's slots (see
+-- "Roomy tenants" at lock_tenants): a worker takes the fleet fence in exclusive mode once,
+-- after its registration committed and before its first claim.
+SELECT pg_advisory_xact_lock(1920298608, 25);
 
 -- name: touch_worker
 -- Mark a worker alive (idle workers do it inside their poll's claim transaction).

@@ -43,7 +43,8 @@ async def plan_ahead(conn: psycopg.AsyncConnection[Any], *, worker_id: uuid.UUID
         for name in UPKEEP:
             await trip.execute(QUERIES[name])
         await trip.execute(QUERIES["touch_worker"], {"worker_id": worker_id})
-        await trip.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": 0})
+        await trip.execute(QUERIES["lock_tenants"], {"handlers": names, "limit": 0,
+                                                     "roomy": False})
         await trip.execute(QUERIES["claim_runs"], {
             "limit": 0, "worker_id": worker_id, "lease_seconds": lease_seconds,
             "handlers": names})

@@ -34,7 +34,7 @@ from .deadlines import bounded
 from .drain import drain
 from .errors import WorkerFailed
 from .exits import EXIT_STUCK
-from .leases import Cadence, LeaseKeeper
+from .leases import SET_LOCK_TIMEOUT, Cadence, LeaseKeeper
 from .listener import ClaimBudget, Listener
 from .outcomes import OutcomeWriter
 from .progress import Publisher
@@ -55,6 +55,9 @@ logger = logging.getLogger("runpool.worker")
 
 # Seconds between reaps of expired leases by one busy worker (every claim when idle-polling).
 REAP_INTERVAL = 1.0
+# Seconds a starting worker waits for the claims in flight at its registration (see _fence):
+# normally milliseconds; past this, one has hung, and the worker goes on rather than not start.
+FENCE_SECONDS = 10.0
 
 
 class Worker:
@@ -92,6 +95,9 @@ class Worker:
         self._side_failure: BaseException | None = None
         self._stop: asyncio.Event | None = None
         self._reserved = 0
+        # Whether this worker's slots are in runpool.quota_margin and every claim that judged
+        # without them has ended (see _fence): its claims may then pass roomy tenants' locks.
+        self._roomy = False
         self.listener: Listener | RelayReader | None = None
         self.scheduler: Scheduler | None = None
         self._claim_budget = ClaimBudget()
@@ -220,6 +226,24 @@ class Worker:
                  "max_input_bytes": s.max_input_bytes},
             )
         self._touch.done(time.monotonic())
+        await self._fence()
+
+    async def _fence(self) -> None:
+        """Take the fleet fence in exclusive mode, once: it waits out every claim in flight,
+        any of which may have judged a tenant roomy by a fleet without this worker's slots
+        (queries.sql, "Roomy tenants"); every claim after it counts them."""
+        assert self._pool is not None
+        try:
+            async with bounded(self._pool, FENCE_SECONDS + 5) as conn, conn.transaction():
+                await conn.execute(SET_LOCK_TIMEOUT, {"timeout": f"{FENCE_SECONDS:g}s"})
+                await conn.execute(QUERIES["fence_fleet"])
+        except psycopg.errors.LockNotAvailable:
+            # A claim (or a session) has held the fence's share mode that long: a claim
+            # that hung before judging could still take a roomy tenant's runs as if this
+            # worker's slots did not exist. Starting anyway is the lesser harm.
+            logger.warning("the fleet fence stayed held for %gs; starting without it",
+                           FENCE_SECONDS, extra={"action": "fence_timeout", **self._log})
+        self._roomy = True
 
     async def _unregister(self) -> None:
         assert self._pool is not None
@@ -299,7 +323,7 @@ class Worker:
                 "promote": self._wakeups.promote(now, refill=refill),
                 "handlers": self.app.names,
                 "on_schedules": self.scheduler.observe if self.scheduler else None,
-                "on_skipped": self._wakeups.skipped}
+                "on_skipped": self._wakeups.skipped, "roomy": self._roomy}
 
     async def _claim(self, limit: int) -> list[tuple[ClaimedRun, float]]:
         """Claimed runs, each with the local time the claim was sent: the lease started no

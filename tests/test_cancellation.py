@@ -219,7 +219,8 @@ def test_race_cancel_during_claim__claim_first_then_cancel_says_cancelling(
     run_id = runpool.enqueue(conn, "acme", "noop")
     answers: list[Any] = []
     with connect(dsn) as claimer:  # one open claim transaction, committed by hand
-        claimer.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 1})
+        claimer.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 1,
+                                                    "roomy": False})
         claimer.execute(QUERIES["claim_runs"], {"limit": 1,
                                                 "handlers": ["noop"], "worker_id": uuid.uuid4(),
                                                 "lease_seconds": 30})

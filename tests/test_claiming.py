@@ -185,7 +185,7 @@ def test_claim__without_promote_a_due_run_waits_for_a_claim_that_promotes(
 
 def _claim_in(conn: psycopg.Connection, limit: int) -> list[uuid.UUID]:
     """lock_tenants then claim_runs in the caller's open transaction (not committed)."""
-    params = {"handlers": ["noop"], "limit": limit}
+    params = {"handlers": ["noop"], "limit": limit, "roomy": False}
     conn.execute(QUERIES["lock_tenants"], params)
     rows = conn.execute(QUERIES["claim_runs"], {
         **params, "worker_id": uuid.uuid4(), "lease_seconds": 30})
@@ -212,7 +212,8 @@ def test_claim__claimers_of_a_tenant_without_quota_take_runs_side_by_side_not_in
         assert len(held) == 5
         # (The lock_timeout stays: a claimer that waited would fail, not hang.)
         assert _claim_in(second, 5) == []
-        assert second.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 5}
+        assert second.execute(QUERIES["lock_tenants"],
+                              {"handlers": ["noop"], "limit": 5, "roomy": False}
                               ).fetchall() == [("free", True, True)]
         second.rollback()
         first.commit()

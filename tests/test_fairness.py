@@ -125,7 +125,7 @@ def _claim_plans(conn: psycopg.Connection, depth: int) -> list[dict[str, Any]]:
     plans = []
     claim_params = {"limit": 10, "worker_id": uuid.uuid4(), "lease_seconds": 30,
                     "handlers": ["noop"]}
-    lock_params = {"handlers": ["noop"], "limit": 10}
+    lock_params = {"handlers": ["noop"], "limit": 10, "roomy": False}
     # The claim is given the tenant at quota too, locked (lock_tenants passes it over), as
     # lock_tenants leaves its choice: so its recount of a deep backlog's quota is measured.
     every = "{" + ",".join(["flood", *tenants]) + "}"

@@ -68,14 +68,16 @@ def test_the_claim_reads_ready_runs_through_the_ready_index(
     # The tenants claim_runs takes from, as lock_tenants leaves them (session-wide here).
     conn.execute("SELECT set_config('runpool.claim_tenants', '{t}', false),"
                  " set_config('runpool.claim_limited', '{t}', false)")
-    params = {"handlers": ["h"], "limit": 10, "worker_id": None, "lease_seconds": 30}
+    params = {"handlers": ["h"], "limit": 10, "worker_id": None, "lease_seconds": 30,
+              "roomy": False}
     plan = _plan(conn, QUERIES[statement], params)
     assert "runs_ready" in plan, plan
 
 
 # The claim's parameters as a worker's prepared statements type them.
 _CLAIM_TYPES = {"handlers": "text[]", "limit": "integer", "tenants": "text[]",
-                "limited": "text[]", "worker_id": "uuid", "lease_seconds": "float8"}
+                "limited": "text[]", "worker_id": "uuid", "lease_seconds": "float8",
+                "roomy": "boolean"}
 
 
 @pytest.mark.parametrize("statement", ["lock_tenants", "claim_runs"])
@@ -94,6 +96,6 @@ def test_the_claims_generic_plan_never_reads_the_whole_runs_table(
     conn.execute("SET plan_cache_mode = force_generic_plan")
     conn.execute(f"PREPARE claim ({', '.join(_CLAIM_TYPES[n] for n in used)}) AS {query}")
     args = {"handlers": "'{h}'", "limit": "10", "tenants": "'{t0,t1}'", "limited": "'{}'",
-            "worker_id": "gen_random_uuid()", "lease_seconds": "30"}
+            "worker_id": "gen_random_uuid()", "lease_seconds": "30", "roomy": "true"}
     plan = _plan(conn, f"EXECUTE claim ({', '.join(args[n] for n in used)})")
     assert "Seq Scan on runpool.runs" not in plan, plan
