@@ -42,7 +42,8 @@ def test_held_tenant__the_next_ranked_takes_its_place_and_tenants_ranked_below_s
     with psycopg.connect(dsn) as hostile, psycopg.connect(dsn) as claimer, \
             psycopg.connect(dsn) as other:
         hostile.execute("SELECT 1 FROM runpool.tenants WHERE tenant = 'held' FOR UPDATE")
-        chose = claimer.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 1})
+        chose = claimer.execute(QUERIES["lock_tenants"], {"handlers": ["noop"], "limit": 1,
+                                                              "roomy": False})
         assert chose.fetchall() == [("next", True, False), ("held", True, True)]
         other.execute("SET lock_timeout = '2s'")
         assert other.execute("SELECT tenant FROM runpool.tenants WHERE tenant = 'below'"
@@ -56,8 +57,10 @@ def test_held_tenant__a_one_slot_pool_runs_other_tenants_while_the_best_ranked_i
     claim's %(limit)s places in `best`: when it ranks best (its runs are the oldest, and
     they only grow older while it is held) a claim of one run (a one-slot worker, or any
     worker's last free slot, or a refill for one freed slot) takes nothing at all, retried
-    forever. Here every other tenant's run waits for the operator's commit."""
-    conn.execute("SELECT runpool.set_tenant_quota('held', 5)")
+    forever. Here every other tenant's run waits for the operator's commit. (Quota 1: under
+    the margin of a one-slot pool, 2, so its claims lock the tenant; a roomy tenant's row is
+    never locked, see test_roomy_quota.)"""
+    conn.execute("SELECT runpool.set_tenant_quota('held', 1)")
     held = runpool.enqueue(conn, "held", "noop")
     conn.commit()
     hostile = psycopg.connect(dsn)

@@ -25,7 +25,7 @@ LIVE = "SELECT count(*) FROM runpool.runs WHERE tenant = %s AND status = 'runnin
 def _lock(conn: psycopg.Connection, limit: int) -> list[tuple[str, bool]]:
     """lock_tenants in the caller's open transaction: the tenants it chose, and whether it
     locked each (none skipped: no other transaction holds a tenant's row here)."""
-    params = {"handlers": ["noop"], "limit": limit}
+    params = {"handlers": ["noop"], "limit": limit, "roomy": False}
     rows = conn.execute(QUERIES["lock_tenants"], params).fetchall()
     assert not any(skipped for (_, _, skipped) in rows)
     return [(t, limited) for (t, limited, _) in rows]

@@ -247,10 +247,12 @@ def _claim_blocks(conn: psycopg.Connection,
             handlers = [h for (h,) in conn.execute(QUERIES["ready_handlers"])]
         stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
             QUERIES["lock_tenants"])
-        plan = scalar(conn, stmt, {"handlers": handlers, "limit": 10})[0]["Plan"]
+        plan = scalar(conn, stmt, {"handlers": handlers, "limit": 10,
+                                   "roomy": False})[0]["Plan"]
         blocks += plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
         chosen = conn.execute(QUERIES["lock_tenants"],
-                              {"handlers": handlers, "limit": 10}).fetchall()
+                              {"handlers": handlers, "limit": 10,
+                               "roomy": False}).fetchall()
         locked = [t for (t, _, skipped) in chosen if not skipped]
         stmt = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(
             QUERIES["claim_runs"])
