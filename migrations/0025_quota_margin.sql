@@ -14,6 +14,12 @@
 -- workers that died unannounced stay counted until the retention purge removes them, which
 -- only makes the margin larger (a claim then locks, as before this migration).
 
+-- A worker registers with 1 to 10,000 slots (Settings); a row saying fewer than 1 (written by
+-- hand, or by a login with the worker role) would shrink the margin below what the fleet
+-- holds. NOT VALID: rows already there are not scanned (none can say so through runpool).
+ALTER TABLE runpool.workers
+    ADD CONSTRAINT concurrency_positive CHECK (concurrency >= 1) NOT VALID;
+
 CREATE VIEW runpool.quota_margin AS
 SELECT 2 * coalesce(sum(w.concurrency), 0)::bigint AS margin
 FROM runpool.workers w

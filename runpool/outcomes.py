@@ -294,8 +294,13 @@ class OutcomeWriter:
         Raises Unreachable when the database stayed away, or the refusal of the batch."""
         delay = 0.05
         for attempt in range(8):
-            # Refill only on the first try: a failing claim must not hold outcomes back.
-            room = self._refill.capacity(len(batch)) if self._refill and refill and not attempt \
+            # Refill only on the first try: a failing claim must not hold outcomes back. An
+            # outcome frees its slot for a refill once, on its first write: one answered 'busy'
+            # keeps its slot (and its live lease) and is written again later, and counting it
+            # again then would let the worker hold runs beyond twice its concurrency (the
+            # quota margin's premise, migration 0025; an attack held 90 leases at 5 slots).
+            freed = sum(1 for p in batch if not p.busy)
+            room = self._refill.capacity(freed) if self._refill and refill and not attempt \
                 else 0
             try:
                 return await self._statement(batch, room)

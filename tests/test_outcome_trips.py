@@ -20,6 +20,8 @@ from runpool.outcomes import OutcomeWriter, finish_params, from_result
 from runpool.queries import QUERIES
 from runpool.trips import Trip
 
+from .helpers import until
+
 
 class _Refill:
     """Claims up to one noop run per batch; records what it was handed, and whether the
@@ -197,3 +199,54 @@ def test_one_trip__a_pinned_trip_that_raises_commits_nothing(
     run = asyncio.run(claimed())
     assert asyncio.run(_finish_then_raise(dsn, run.id, run.attempt)) is True
     assert _statuses(conn, run.id) == {run.id: "running"}
+
+
+class _CountingRefill(_Refill):
+    """Claims nothing; records the slots each batch said it freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freed: list[int] = []
+
+    def capacity(self, freed: int) -> int:
+        self.freed.append(freed)
+        return 0
+
+
+def test_outcome_batch__a_busy_outcome_frees_its_slot_for_a_refill_once(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """An outcome answered 'busy' (its row held by a session) keeps its slot and its live
+    lease, and is written again later: only its first write may count its slot as freed for
+    the batch's refill. Counting every retry let a worker of 5 slots hold 90 leases (an
+    attack on the quota margin, migration 0025, whose premise is at most twice the slots)."""
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    refill = _CountingRefill()
+
+    async def main() -> str | None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            (run,) = await claim(c, limit=1, worker_id=refill.worker_id, lease_seconds=30,
+                                 handlers=["noop"])
+        pool = await open_pool(dsn, size=1, name="test-outcome-busy")
+        hostile = await aconnect(dsn)
+        try:
+            await hostile.execute("SELECT 1 FROM runpool.runs WHERE id = %s FOR UPDATE",
+                                  (run_id,))
+            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill)
+            writing = asyncio.create_task(writer.run())
+            try:
+                done = asyncio.ensure_future(writer.submit(
+                    from_result(run.id, run.attempt, {"ok": 1}, max_bytes=1 << 20),
+                    serial=False))
+                await until(lambda: len(refill.freed) >= 3, "the first write and two retries",
+                            interval=0.01)
+                await hostile.commit()
+                return await asyncio.wait_for(done, 30)
+            finally:
+                writing.cancel()
+        finally:
+            await hostile.close()
+            await pool.close()
+
+    assert asyncio.run(main()) == "succeeded"
+    assert len(refill.freed) >= 3
+    assert refill.freed[0] == 1 and set(refill.freed[1:]) == {0}
