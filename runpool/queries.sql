@@ -232,16 +232,21 @@ room AS MATERIALIZED (
     JOIN runpool.tenant_capacity q ON q.tenant = h.tenant
 ),
 fence AS (
-    -- The fleet fence in share mode, tried once (never waited for), only by a claim whose
-    -- own slots the margin counts.
+    -- The fleet fence in share mode, tried at most once (never waited for), only by a claim
+    -- whose own slots the margin counts, and only once a tenant is roomy by its count.
     SELECT %(roomy)s::boolean AND pg_try_advisory_xact_lock_shared(1920298608, 25) AS held
 ),
 candidates AS (
-    SELECT r.tenant, r.rank,
-           r.room IS NOT NULL AND NOT (f.held AND r.room >= m.margin) AS limited,
-           r.room IS NOT NULL AND f.held AND r.room >= m.margin AS roomy
-    FROM room r CROSS JOIN fence f CROSS JOIN runpool.quota_margin m
-    WHERE r.room IS NULL OR r.room > 0
+    -- The margin and the fence as scalar subqueries, judged once per tenant (the subquery
+    -- kept apart, OFFSET 0): each is evaluated once, and only when a quota'd tenant asks (a
+    -- claim of tenants without quotas reads neither).
+    SELECT j.tenant, j.rank, j.room IS NOT NULL AND NOT j.roomy AS limited, j.roomy
+    FROM (SELECT r.tenant, r.rank, r.room,
+                 r.room IS NOT NULL AND r.room >= (SELECT m.margin FROM runpool.quota_margin m)
+                 AND (SELECT f.held FROM fence f) AS roomy
+          FROM room r
+          WHERE r.room IS NULL OR r.room > 0
+          OFFSET 0) j
 ),
 chosen AS (
     -- The sorted subquery feeds the nested loop in rank order and the limit stops it: the
