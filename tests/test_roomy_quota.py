@@ -102,8 +102,8 @@ def test_fence__a_starting_worker_waits_for_roomy_claims_in_flight_then_claims_r
             holder.commit()
             wait_for(lambda: status_of(conn, run_id) == "succeeded", timeout=30,
                      what="the roomy tenant's run, its row still held")
-        assert hostile.execute("SELECT count(*) FROM runpool.tenants"
-                               " WHERE tenant = 'acme'").fetchone() == (1,)
+        # The row lock was held throughout: the session's transaction is still open.
+        assert hostile.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
     finally:
         holder.close()
         hostile.close()
