@@ -26,6 +26,7 @@ __all__ = [
     "DSN_SETTING",
     "LISTEN_DSN_SETTING",
     "READ_DSN_SETTING",
+    "SET_LOCK_TIMEOUT",
     "application_name",
     "check_stateless",
     "configure",
@@ -157,6 +158,9 @@ SELECT set_config('default_transaction_isolation', 'read committed', false),
 #   ANALYZE does not come, or not yet: W11 on a server without it, every outcome batch read
 #   all 5,000 runs, 3.6 ms; tests/test_worker_plans.py). A worker's statements read rows by
 #   key or by an index's order; a table without an index is still scanned.
+# Bound the lock waits of the rest of the current transaction (%(timeout)s: '2s', '150ms').
+SET_LOCK_TIMEOUT: Final = "SELECT set_config('lock_timeout', %(timeout)s, true)"
+
 WORKER_SESSION: Final = """
 SELECT set_config('default_transaction_isolation', 'read committed', false),
        set_config('jit', 'off', false),

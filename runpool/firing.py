@@ -24,11 +24,12 @@ import psycopg
 from psycopg.rows import dict_row
 
 from . import faults, telemetry
+from .db import SET_LOCK_TIMEOUT
 from .deadlines import transient
 from .errors import InvalidInput
 from .schedules import Due, due_plans, next_plan, plan_key, plan_text
 
-__all__ = ["BATCH", "LOCK_TIMEOUT", "SET_LOCK_TIMEOUT", "Tick", "error_text", "fire_due"]
+__all__ = ["BATCH", "LOCK_TIMEOUT", "Tick", "error_text", "fire_due"]
 
 logger = logging.getLogger("runpool.scheduler")
 
@@ -48,8 +49,6 @@ BATCH_LOCK_TIMEOUT: Final = "200ms"
 
 # The firing clock: the database's (every pool and host agrees on it); a test may pin it.
 NOW: Final = "SELECT coalesce(%(now)s::timestamptz, now())"
-# Wait at most LOCK_TIMEOUT for any lock in this firing (a hostile session's, say).
-SET_LOCK_TIMEOUT: Final = "SELECT set_config('lock_timeout', %(timeout)s, true)"
 # Schedules whose next plan time no pool has computed yet (new, or changed); rows another pool
 # holds are skipped (it computes them).
 LOCK_UNPLANNED: Final = """

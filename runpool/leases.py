@@ -17,7 +17,7 @@ import psycopg
 import psycopg.errors
 from psycopg_pool import AsyncConnectionPool
 
-from .db import application_name, open_pool
+from .db import SET_LOCK_TIMEOUT, application_name, open_pool
 from .deadlines import bounded
 from .queries import QUERIES
 from .settings import Settings
@@ -37,8 +37,6 @@ BUSY_WAIT_SECONDS: Final = 1.0
 # A busy row is waited for once its lease has less than this part of its length left: a beat
 # and the busy retries after it (lease/6 of them) have all found it held.
 AT_RISK: Final = 0.5
-# Bounds the lock wait of the one statement of its transaction (renew_busy).
-SET_LOCK_TIMEOUT: Final = "SELECT set_config('lock_timeout', %(timeout)s, true)"
 
 
 class Cadence:

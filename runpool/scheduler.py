@@ -19,9 +19,9 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from .app import App
-from .db import dumps, jsonb
+from .db import SET_LOCK_TIMEOUT, dumps, jsonb
 from .deadlines import bounded, transient
-from .firing import LOCK_TIMEOUT, SET_LOCK_TIMEOUT, error_text, fire_due
+from .firing import LOCK_TIMEOUT, error_text, fire_due
 from .listener import ClaimBudget
 
 __all__ = ["Scheduler", "upsert_schedules"]

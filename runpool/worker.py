@@ -29,12 +29,12 @@ from .app import App
 from .cancellation import Canceller
 from .claim_times import ClaimTimes
 from .claiming import ClaimedRun, PendingClaim, Statements, claim, claim_statements
-from .db import application_name, open_pool
+from .db import SET_LOCK_TIMEOUT, application_name, open_pool
 from .deadlines import bounded
 from .drain import drain
 from .errors import WorkerFailed
 from .exits import EXIT_STUCK
-from .leases import SET_LOCK_TIMEOUT, Cadence, LeaseKeeper
+from .leases import Cadence, LeaseKeeper
 from .listener import ClaimBudget, Listener
 from .outcomes import OutcomeWriter
 from .progress import Publisher
