@@ -15,7 +15,15 @@ from ..db import connect
 from ..enqueue import RunSpec, enqueue_many
 from ..testing.databases import scratch_database
 from ..testing.pools import running_pool
-from .measure import CLEAR_SNAPSHOT, LIVE_WORKERS, XACTS, cpu_seconds, percentile, wait_until
+from .measure import (
+    CLEAR_SNAPSHOT,
+    LIVE_WORKERS,
+    XACTS,
+    ActivitySampler,
+    cpu_seconds,
+    percentile,
+    wait_until,
+)
 
 __all__ = ["w11_agent_load"]
 
@@ -65,7 +73,11 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
     connections each. Reports lease losses, heartbeat lag (time since a running run's lease
     was renewed, beyond the heartbeat interval), write latencies (a tool call: its intent, the
     tool and its checkpoint; the checkpoint alone; a message), database commits
-    per tool call, worker CPU per turn and memory per run in flight."""
+    per tool call, worker CPU per turn and memory per run in flight; and where a write's time
+    goes when it is slow: how late the workers' event loops woke the model calls (a loop
+    busy elsewhere), the share of checkpoint writes a garbage collection stopped and the p99
+    of the others, and what the server's backends did meanwhile (on a CPU or waiting for one,
+    or waiting for the WAL's flush, a lock, ...: mean backends, ActivitySampler)."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn, \
             connect(server, autocommit=True) as stats:
         name = str(conninfo_to_dict(dsn)["dbname"])
@@ -87,15 +99,16 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
             # where it stood: 4 runs a slot at 2 x 25 need ~90 s of model time alone.
             rounds = -(-runs // (workers * slots))
             deadline = began + 60 + runs * turns / 100 + rounds * turns * high
-            while True:
-                ended, flight = conn.execute(PROGRESS).fetchone() or (0, 0)
-                ages.extend(a for (a,) in conn.execute(LEASE_AGES, {"lease": lease}))
-                polls += 2
-                peak_flight = max(peak_flight, flight)
-                peak_rss = max(peak_rss, _rss_bytes(pids))
-                if ended >= runs or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
+            with ActivitySampler(server, name) as sampler:
+                while True:
+                    ended, flight = conn.execute(PROGRESS).fetchone() or (0, 0)
+                    ages.extend(a for (a,) in conn.execute(LEASE_AGES, {"lease": lease}))
+                    polls += 2
+                    peak_flight = max(peak_flight, flight)
+                    peak_rss = max(peak_rss, _rss_bytes(pids))
+                    if ended >= runs or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.5)
             elapsed = time.monotonic() - began
             cpu = cpu_seconds(pids) - cpu
             # The poll's own statements are transactions of this database too.
@@ -105,6 +118,11 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
     tool_ms = [ms for r in results for ms in r["tool_ms"]]
     checkpoint_ms = [ms for r in results for ms in r["checkpoint_ms"]]
     message_ms = [ms for r in results for ms in r["message_ms"]]
+    loop_lag_ms = [ms for r in results for ms in r["lag_ms"]]
+    # Checkpoint writes a collection stopped (for any part of the write), and the others.
+    paused = [(ms, gc) for r in results for ms, gc in zip(r["checkpoint_ms"], r["gc_ms"],
+                                                          strict=True)]
+    unpaused = [ms for ms, gc in paused if gc == 0.0]
     calls = len(tool_ms)
     beat = lease / 3
     lag = [max(a - beat, 0.0) for a in ages]
@@ -126,4 +144,12 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
         "worker_cpu_ms_per_turn": round(cpu / calls * 1000, 3),
         "worker_cpu_pct_of_core": round(cpu / elapsed / workers * 100, 1),
         "rss_kb_per_run_in_flight": round((peak_rss - idle_rss) / max(peak_flight, 1) / 1024, 1),
+        "loop_lag_p50_ms": round(percentile(loop_lag_ms, 50), 2),
+        "loop_lag_p99_ms": round(percentile(loop_lag_ms, 99), 2),
+        "checkpoints_gc_paused_pct": round(
+            100 * (len(paused) - len(unpaused)) / max(len(paused), 1), 2),
+        "checkpoint_gc_pause_max_ms": round(max((gc for _, gc in paused), default=0.0), 2),
+        "checkpoint_p99_ms_unpaused": (round(percentile(unpaused, 99), 2)
+                                       if len(unpaused) > 1 else None),
+        "server_backends": sampler.mean(sampler.events),
     }

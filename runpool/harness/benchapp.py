@@ -11,6 +11,7 @@ from typing import Any
 
 from ..app import App
 from ..context import Run
+from . import pauses
 
 __all__ = ["app", "progress_app"]
 
@@ -133,10 +134,14 @@ async def agent(run: Run) -> Any:
     """W11: `turns` agent turns: a model call (a sleep of `low`..`high` s), one tool call with
     its checkpoint, and a message. Returns each tool call's time (its intent's write, the tool,
     its checkpoint's write), its checkpoint's write time (the tool's return to the call's:
-    the result committed with its message) and each message's write time (ms)."""
+    the result committed with its message) and each message's write time (ms); and, to tell
+    where a slow write's time went, how late each model call's sleep ended (the worker's event
+    loop busy elsewhere: its CPU) and how long garbage collections stopped the process during
+    each checkpoint write."""
+    pauses.watch()
     turns, low, high = int(run.input["turns"]), float(run.input["low"]), float(run.input["high"])
     rng = random.Random(str(run.id))
-    tool_ms, checkpoint_ms, message_ms = [], [], []
+    tool_ms, checkpoint_ms, message_ms, lag_ms, gc_ms = [], [], [], [], []
     returned = [0.0]
 
     async def lookup(arguments: Any, key: str) -> Any:
@@ -145,7 +150,9 @@ async def agent(run: Run) -> Any:
         return found
 
     for turn in range(turns):
-        await asyncio.sleep(rng.uniform(low, high))
+        model = rng.uniform(low, high)
+        slept = time.perf_counter()
+        await asyncio.sleep(model)
         t0 = time.perf_counter()
         found = await run.tool(f"t{turn}", "search", {"turn": turn}, lookup)
         t1 = time.perf_counter()
@@ -153,4 +160,7 @@ async def agent(run: Run) -> Any:
         tool_ms.append(round((t1 - t0) * 1000, 3))
         checkpoint_ms.append(round((t1 - returned[0]) * 1000, 3))
         message_ms.append(round((time.perf_counter() - t1) * 1000, 3))
-    return {"tool_ms": tool_ms, "checkpoint_ms": checkpoint_ms, "message_ms": message_ms}
+        lag_ms.append(round(max(t0 - slept - model, 0.0) * 1000, 3))
+        gc_ms.append(round(pauses.paused_ms(returned[0], t1), 3))
+    return {"tool_ms": tool_ms, "checkpoint_ms": checkpoint_ms, "message_ms": message_ms,
+            "lag_ms": lag_ms, "gc_ms": gc_ms}

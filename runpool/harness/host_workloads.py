@@ -17,23 +17,11 @@ from ..enqueue import RunSpec, enqueue_many
 from ..testing.databases import database_name, scratch_database
 from ..testing.pgbouncer import pgbouncer
 from ..testing.pools import PoolProcess, running_pool
-from .measure import COUNT_DONE, DRAIN_RATE, XACTS, cpu_seconds, wait_until
+from .measure import COUNT_DONE, DRAIN_RATE, XACTS, ActivitySampler, cpu_seconds, wait_until
 
 __all__ = ["w1p_pooler", "w16_many_claimers", "wcommits"]
 
 BENCH_APP: Final = "runpool.harness.benchapp:app"
-# Backends of one database: waiting for a lock (a row, a transaction id, an advisory key), and
-# running a statement.
-WAITERS: Final = """
-SELECT count(*) FILTER (WHERE wait_event_type = 'Lock'),
-       count(*) FILTER (WHERE state = 'active')
-FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()
-"""
-# The same backends' lock waits by kind of lock (tuple, transactionid, advisory, ...).
-WAIT_KINDS: Final = """
-SELECT wait_event, count(*) FROM pg_stat_activity
-WHERE datname = %s AND wait_event_type = 'Lock' GROUP BY wait_event
-"""
 BACKENDS: Final = "SELECT pid FROM pg_stat_activity WHERE datname = %s"
 
 
@@ -59,38 +47,6 @@ def w1p_pooler(server: str, *, runs: int = 20_000) -> dict[str, Any]:
         row = conn.execute(DRAIN_RATE).fetchone()
         assert row is not None
         return {"workload": "W1p", "runs": runs, "runs_per_s": round(float(row[0]), 1)}
-
-
-class _Sampler:
-    """pg_stat_activity of one database every 20 ms, on a connection of its own."""
-
-    def __init__(self, server: str, dbname: str) -> None:
-        self._server = server
-        self._dbname = dbname
-        self.waiting: list[int] = []
-        self.active: list[int] = []
-        # Lock waits by kind (tuple, transactionid, advisory, ...), summed over the samples.
-        self.kinds: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with psycopg.connect(self._server, autocommit=True) as conn:
-            while not self._stop.wait(0.02):
-                row = conn.execute(WAITERS, (self._dbname,)).fetchone()
-                assert row is not None
-                self.waiting.append(int(row[0]))
-                self.active.append(int(row[1]))
-                for kind, n in conn.execute(WAIT_KINDS, (self._dbname,)):
-                    self.kinds[kind] = self.kinds.get(kind, 0) + int(n)
-
-    def __enter__(self) -> _Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def _claim_times(pool: PoolProcess) -> dict[str, Any]:
@@ -130,7 +86,7 @@ def _many(server: str, runs: int, workers: int, concurrency: int,
                 processes.append(listener)
             cpu_pool, cpu_server = cpu_seconds(processes), cpu_seconds(backends)
             xacts = admin.execute(XACTS, (name,)).fetchone()
-            with _Sampler(server, name) as sampler:
+            with ActivitySampler(server, name) as sampler:
                 wait_until(conn, COUNT_DONE, runs, timeout=900)
             cpu_pool = cpu_seconds(processes) - cpu_pool
             cpu_server = cpu_seconds(backends) - cpu_server
@@ -146,7 +102,7 @@ def _many(server: str, runs: int, workers: int, concurrency: int,
             "lock_waiters_mean": round(sum(sampler.waiting) / samples, 2),
             "lock_waiters_max": max(sampler.waiting, default=0),
             "active_mean": round(sum(sampler.active) / samples, 2),
-            "lock_waits_by_kind": {k: round(v / samples, 2) for k, v in sampler.kinds.items()},
+            "lock_waits_by_kind": sampler.mean(sampler.kinds),
             "pool_cpu_ms_per_run": round(cpu_pool * 1000 / runs, 3),
             "server_cpu_ms_per_run": round(cpu_server * 1000 / runs, 3),
             **claims,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Final
@@ -13,7 +14,8 @@ import psycopg
 from ..testing.pools import PoolProcess, running_pool, wait_for
 
 __all__ = ["BENCH_APP", "CLEAR_SNAPSHOT", "COUNT_DONE", "DRAIN_RATE", "LIVE_WORKERS", "XACTS",
-           "bench_pool", "cpu_seconds", "median_of", "percentile", "wait_until"]
+           "ActivitySampler", "bench_pool", "cpu_seconds", "median_of", "percentile",
+           "wait_until"]
 
 BENCH_APP: Final = "runpool.harness.benchapp:app"
 
@@ -28,6 +30,65 @@ FROM runpool.runs WHERE status = 'succeeded'
 """
 COUNT_DONE: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'succeeded'"
 LIVE_WORKERS: Final = "SELECT count(*) FROM runpool.workers WHERE stopped_at IS NULL"
+# The backends of one database by what they are doing: running a statement or not, and what
+# they wait for (NULL: on a CPU, or waiting for one).
+ACTIVITY: Final = """
+SELECT state = 'active', wait_event_type, wait_event, count(*) FROM pg_stat_activity
+WHERE datname = %s AND pid <> pg_backend_pid()
+GROUP BY 1, 2, 3
+"""
+
+
+class ActivitySampler:
+    """pg_stat_activity of one database every 20 ms, on a connection of its own, in a thread:
+    how many backends wait for a lock (and which kind), run a statement, and where the running
+    ones are (on a CPU or waiting for one, or in a wait event: the WAL's flush, a lock, ...).
+    Each sample is one cheap statement; at 50 a second it costs the server little beside a
+    workload, but it is not free."""
+
+    def __init__(self, server: str, dbname: str) -> None:
+        self._server = server
+        self._dbname = dbname
+        self.waiting: list[int] = []
+        self.active: list[int] = []
+        # Lock waits by kind (tuple, transactionid, advisory, ...), summed over the samples.
+        self.kinds: dict[str, int] = {}
+        # Running backends by wait event ("IO:WALSync", "Lock:object", ...; "CPU": none),
+        # summed over the samples.
+        self.events: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with psycopg.connect(self._server, autocommit=True) as conn:
+            while not self._stop.wait(0.02):
+                waiting = active = 0
+                for running, kind, event, n in conn.execute(ACTIVITY, (self._dbname,)):
+                    if kind == "Lock":
+                        waiting += n
+                        self.kinds[event] = self.kinds.get(event, 0) + n
+                    if running:
+                        active += n
+                        where = f"{kind}:{event}" if kind else "CPU"
+                        self.events[where] = self.events.get(where, 0) + n
+                self.waiting.append(waiting)
+                self.active.append(active)
+
+    def mean(self, tally: dict[str, int]) -> dict[str, float]:
+        """A tally (kinds, events) as the mean number of backends per sample, the largest
+        first; those under 0.01 left out."""
+        samples = max(len(self.active), 1)
+        means = {k: round(v / samples, 2) for k, v in tally.items()}
+        return dict(sorted(((k, v) for k, v in means.items() if v >= 0.01),
+                           key=lambda kv: -kv[1]))
+
+    def __enter__(self) -> ActivitySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 def bench_pool(dsn: str, **settings: Any) -> AbstractContextManager[PoolProcess]:

@@ -1,0 +1,42 @@
+"""The cyclic garbage collector's pauses in this process, for W11 (runpool.harness.benchapp's
+agent) to tell a checkpoint write that a pause stalled from one the load slowed: a collection
+stops the worker's event loop, and every write in flight waits it out."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from typing import Any, Final
+
+__all__ = ["paused_ms", "watch"]
+
+# The latest pauses kept (perf_counter start, end): a W11 worker makes a few a second at most,
+# and a write asks only about the last few hundred milliseconds.
+KEPT: Final = 4096
+
+_pauses: deque[tuple[float, float]] = deque(maxlen=KEPT)
+_started: list[float] = []
+
+
+def _timed(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _started.append(time.perf_counter())
+    elif _started:
+        _pauses.append((_started.pop(), time.perf_counter()))
+
+
+def watch() -> None:
+    """Time this process's collections from now on (once; later calls do nothing)."""
+    if _timed not in gc.callbacks:
+        gc.callbacks.append(_timed)
+
+
+def paused_ms(start: float, end: float) -> float:
+    """How long collections stopped this process between two perf_counter readings (ms)."""
+    total = 0.0
+    for began, ended in reversed(_pauses):
+        if ended <= start:
+            break  # the pauses are in order: every earlier one ended before `start` too
+        total += max(min(ended, end) - max(began, start), 0.0)
+    return total * 1000
