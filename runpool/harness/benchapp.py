@@ -136,13 +136,15 @@ async def agent(run: Run) -> Any:
     its checkpoint's write), its checkpoint's write time (the tool's return to the call's:
     the result committed with its message) and each message's write time (ms); and, to tell
     where a slow write's time went, how late each model call's sleep ended (the worker's event
-    loop busy elsewhere: its CPU) and how long garbage collections stopped the process during
-    each checkpoint write."""
+    loop busy elsewhere: its CPU; ~1 ms even idle, the timers' granularity) and how long
+    garbage collections stopped the process during each checkpoint write. A turn an earlier
+    attempt committed is replayed (the tool is not called, nothing is written): it has no
+    checkpoint or collection time."""
     pauses.watch()
     turns, low, high = int(run.input["turns"]), float(run.input["low"]), float(run.input["high"])
     rng = random.Random(str(run.id))
     tool_ms, checkpoint_ms, message_ms, lag_ms, gc_ms = [], [], [], [], []
-    returned = [0.0]
+    returned: list[float | None] = [None]
 
     async def lookup(arguments: Any, key: str) -> Any:
         found = await _lookup(arguments, key)
@@ -154,13 +156,15 @@ async def agent(run: Run) -> Any:
         slept = time.perf_counter()
         await asyncio.sleep(model)
         t0 = time.perf_counter()
+        returned[0] = None
         found = await run.tool(f"t{turn}", "search", {"turn": turn}, lookup)
         t1 = time.perf_counter()
         await run.add_message("assistant", {"turn": turn, "read": len(found["hits"])})
         tool_ms.append(round((t1 - t0) * 1000, 3))
-        checkpoint_ms.append(round((t1 - returned[0]) * 1000, 3))
         message_ms.append(round((time.perf_counter() - t1) * 1000, 3))
         lag_ms.append(round(max(t0 - slept - model, 0.0) * 1000, 3))
-        gc_ms.append(round(pauses.paused_ms(returned[0], t1), 3))
+        if (tool_returned := returned[0]) is not None:
+            checkpoint_ms.append(round((t1 - tool_returned) * 1000, 3))
+            gc_ms.append(round(pauses.paused_ms(tool_returned, t1), 3))
     return {"tool_ms": tool_ms, "checkpoint_ms": checkpoint_ms, "message_ms": message_ms,
             "lag_ms": lag_ms, "gc_ms": gc_ms}

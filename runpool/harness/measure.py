@@ -30,6 +30,10 @@ FROM runpool.runs WHERE status = 'succeeded'
 """
 COUNT_DONE: Final = "SELECT count(*) FROM runpool.runs WHERE status = 'succeeded'"
 LIVE_WORKERS: Final = "SELECT count(*) FROM runpool.workers WHERE stopped_at IS NULL"
+# The sampler's session, by name in pg_stat_activity.
+SAMPLER: Final = "runpool-activity-sampler"
+# A sample that takes longer is cut (and the sampler stops: ActivitySampler.error).
+SAMPLE_OPTIONS: Final = "-c statement_timeout=2000"
 # The backends of one database by what they are doing: running a statement or not, and what
 # they wait for (NULL: on a CPU, or waiting for one).
 ACTIVITY: Final = """
@@ -44,7 +48,8 @@ class ActivitySampler:
     how many backends wait for a lock (and which kind), run a statement, and where the running
     ones are (on a CPU or waiting for one, or in a wait event: the WAL's flush, a lock, ...).
     Each sample is one cheap statement; at 50 a second it costs the server little beside a
-    workload, but it is not free."""
+    workload, but it is not free. A sampler that stopped early (its connection cut, a sample
+    over SAMPLE_TIMEOUT) keeps what it saw and says why in `error`; `samples` says how many."""
 
     def __init__(self, server: str, dbname: str) -> None:
         self._server = server
@@ -56,30 +61,42 @@ class ActivitySampler:
         # Running backends by wait event ("IO:WALSync", "Lock:object", ...; "CPU": none),
         # summed over the samples.
         self.events: dict[str, int] = {}
+        self.error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        with psycopg.connect(self._server, autocommit=True) as conn:
-            while not self._stop.wait(0.02):
-                waiting = active = 0
-                for running, kind, event, n in conn.execute(ACTIVITY, (self._dbname,)):
-                    if kind == "Lock":
-                        waiting += n
-                        self.kinds[event] = self.kinds.get(event, 0) + n
-                    if running:
-                        active += n
-                        where = f"{kind}:{event}" if kind else "CPU"
-                        self.events[where] = self.events.get(where, 0) + n
-                self.waiting.append(waiting)
-                self.active.append(active)
+    @property
+    def samples(self) -> int:
+        return len(self.active)
 
-    def mean(self, tally: dict[str, int]) -> dict[str, float]:
+    def _run(self) -> None:
+        try:
+            with psycopg.connect(self._server, autocommit=True, connect_timeout=10,
+                                 options=SAMPLE_OPTIONS, application_name=SAMPLER) as conn:
+                while not self._stop.wait(0.02):
+                    self._sample(conn)
+        except Exception as exc:  # the workload goes on; its report says the samples stopped
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _sample(self, conn: psycopg.Connection[Any]) -> None:
+        waiting = active = 0
+        for running, kind, event, n in conn.execute(ACTIVITY, (self._dbname,)):
+            if kind == "Lock":
+                waiting += n
+                self.kinds[event] = self.kinds.get(event, 0) + n
+            if running:
+                active += n
+                where = f"{kind}:{event}" if kind else "CPU"
+                self.events[where] = self.events.get(where, 0) + n
+        self.waiting.append(waiting)
+        self.active.append(active)
+
+    def mean(self, tally: dict[str, int], *, floor: float = 0.01) -> dict[str, float]:
         """A tally (kinds, events) as the mean number of backends per sample, the largest
-        first; those under 0.01 left out."""
-        samples = max(len(self.active), 1)
+        first; those under `floor` left out."""
+        samples = max(self.samples, 1)
         means = {k: round(v / samples, 2) for k, v in tally.items()}
-        return dict(sorted(((k, v) for k, v in means.items() if v >= 0.01),
+        return dict(sorted(((k, v) for k, v in means.items() if v >= floor),
                            key=lambda kv: -kv[1]))
 
     def __enter__(self) -> ActivitySampler:
@@ -88,7 +105,11 @@ class ActivitySampler:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(10)
+        # A sample in flight ends within SAMPLE_OPTIONS' timeout; a connection attempt within
+        # connect_timeout.
+        self._thread.join(15)
+        if self._thread.is_alive() and self.error is None:
+            self.error = "the sampler did not stop within 15 s"
 
 
 def bench_pool(dsn: str, **settings: Any) -> AbstractContextManager[PoolProcess]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections import deque
 from typing import Any, Final
 
 __all__ = ["paused_ms", "watch"]
@@ -15,15 +14,22 @@ __all__ = ["paused_ms", "watch"]
 # and a write asks only about the last few hundred milliseconds.
 KEPT: Final = 4096
 
-_pauses: deque[tuple[float, float]] = deque(maxlen=KEPT)
+# In order, and disjoint: collections never overlap, not even from two threads (CPython runs
+# one at a time). A plain list, never changed but by appending: a reader in another thread
+# walks it by index while a collection appends (a deque raised "mutated during iteration");
+# trimming binds the name to a new list and leaves the reader's alone.
+_pauses: list[tuple[float, float]] = []
 _started: list[float] = []
 
 
 def _timed(phase: str, info: dict[str, Any]) -> None:
+    global _pauses
     if phase == "start":
         _started.append(time.perf_counter())
-    elif _started:
+    elif _started:  # (a "stop" whose "start" came before watch(): not timed)
         _pauses.append((_started.pop(), time.perf_counter()))
+        if len(_pauses) > 2 * KEPT:
+            _pauses = _pauses[-KEPT:]
 
 
 def watch() -> None:
@@ -37,6 +43,6 @@ def paused_ms(start: float, end: float) -> float:
     total = 0.0
     for began, ended in reversed(_pauses):
         if ended <= start:
-            break  # the pauses are in order: every earlier one ended before `start` too
+            break  # in order: every earlier pause ended before `start` too
         total += max(min(ended, end) - max(began, start), 0.0)
     return total * 1000
