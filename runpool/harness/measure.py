@@ -49,7 +49,8 @@ class ActivitySampler:
     ones are (on a CPU or waiting for one, or in a wait event: the WAL's flush, a lock, ...).
     Each sample is one cheap statement; at 50 a second it costs the server little beside a
     workload, but it is not free. A sampler that stopped early (its connection cut, a sample
-    over SAMPLE_TIMEOUT) keeps what it saw and says why in `error`; `samples` says how many."""
+    over SAMPLE_OPTIONS' statement_timeout) keeps what it saw and says why in `error`;
+    `samples` says how many."""
 
     def __init__(self, server: str, dbname: str) -> None:
         self._server = server
