@@ -124,8 +124,10 @@ def w11_agent_load(server: str, *, workers: int = 2, slots: int = 1000, runs: in
     paused = [(ms, gc) for r in results for ms, gc in zip(r["checkpoint_ms"], r["gc_ms"],
                                                           strict=True)]
     stopped = sum(1 for _, gc in paused if gc > 0.0)
-    # What the writes would have taken without the pauses (dropping the paused writes instead
-    # would drop the long ones, which any pause is likelier to overlap, pause or not).
+    # Each write less the pause time inside it: a lower bound of what it would have taken
+    # without the pauses (one while the worker only waited for the server's answer did not
+    # lengthen it). Dropping the paused writes instead would drop the long ones, which any
+    # pause is likelier to overlap, pause or not.
     less_gc = [ms - gc for ms, gc in paused]
     calls = len(tool_ms)
     beat = lease / 3

@@ -137,9 +137,9 @@ async def agent(run: Run) -> Any:
     the result committed with its message) and each message's write time (ms); and, to tell
     where a slow write's time went, how late each model call's sleep ended (the worker's event
     loop busy elsewhere: its CPU; ~1 ms even idle, the timers' granularity) and how long
-    garbage collections stopped the process during each checkpoint write. A turn an earlier
-    attempt committed is replayed (the tool is not called, nothing is written): it has no
-    checkpoint or collection time."""
+    garbage collections stopped the process during each checkpoint write. A turn whose tool
+    call an earlier attempt committed is replayed (the tool is not called, its checkpoint not
+    written again; its message is): it has no checkpoint or collection time."""
     pauses.watch()
     turns, low, high = int(run.input["turns"]), float(run.input["low"]), float(run.input["high"])
     rng = random.Random(str(run.id))
