@@ -95,7 +95,7 @@ def _many(server: str, runs: int, workers: int, concurrency: int,
             claims = _claim_times(pool)
         row = conn.execute(DRAIN_RATE).fetchone()
         assert row is not None and xacts is not None and after is not None
-        samples = max(len(sampler.waiting), 1)
+        samples = max(sampler.samples, 1)
         return {
             "runs_per_s": round(float(row[0]), 1),
             "xacts_per_run": round((after[0] - xacts[0]) / runs, 3),

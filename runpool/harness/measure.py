@@ -57,10 +57,8 @@ class ActivitySampler:
         self._dbname = dbname
         self.waiting: list[int] = []
         self.active: list[int] = []
-        # Lock waits by kind (tuple, transactionid, advisory, ...), summed over the samples.
-        self.kinds: dict[str, int] = {}
         # Running backends by wait event ("IO:WALSync", "Lock:object", ...; "CPU": none),
-        # summed over the samples.
+        # summed over the samples. (A backend waiting for a lock is always running one.)
         self.events: dict[str, int] = {}
         self.error: str | None = None
         self._stop = threading.Event()
@@ -84,13 +82,19 @@ class ActivitySampler:
         for running, kind, event, n in conn.execute(ACTIVITY, (self._dbname,)):
             if kind == "Lock":
                 waiting += n
-                self.kinds[event] = self.kinds.get(event, 0) + n
             if running:
                 active += n
                 where = f"{kind}:{event}" if kind else "CPU"
                 self.events[where] = self.events.get(where, 0) + n
         self.waiting.append(waiting)
         self.active.append(active)
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        """Lock waits by kind (tuple, transactionid, advisory, ...), summed over the samples:
+        the events of type Lock."""
+        return {e.removeprefix("Lock:"): n for e, n in self.events.items()
+                if e.startswith("Lock:")}
 
     def mean(self, tally: dict[str, int], *, floor: float = 0.01) -> dict[str, float]:
         """A tally (kinds, events) as the mean number of backends per sample, the largest
