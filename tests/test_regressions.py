@@ -169,15 +169,22 @@ def test_verdict__needs_two_values_a_side_and_a_change_beyond_both_spreads() -> 
     assert verdict("order_violations", [0.0, 0.0], [0.0, 2.0]) == "BROKEN"
 
 
-def test_regressions__stopped_by_sigterm_it_stops_the_bench_it_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_regressions__stopped_by_sigterm_it_stops_the_bench_it_runs(tmp_path: Path,
+                                                                    sigint: str) -> None:
     # The bench runs in a session of its own: `timeout` or a kill reaches only the harness.
+    # "ignored": started as a script's background job (`cmd &` ignores SIGINT), which its
+    # benches would inherit: the SIGINT that stops one would be lost.
     old = _tree(tmp_path, "old", {"W7": "hang"})
     new = _tree(tmp_path, "new", {"W7": "hang"})
+    command = [sys.executable, "-m", "runpool.harness.regressions", "--old", str(old), "--new",
+               str(new), "--dsn", "DSN", "--pairs", "1", "--workloads", "W7",
+               "--out", str(tmp_path / "s.jsonl")]
+    if sigint == "ignored":
+        command = ["bash", "-c", 'trap "" INT; exec "$@"', "bash", *command]
     harness = subprocess.Popen(
-        [sys.executable, "-m", "runpool.harness.regressions", "--old", str(old), "--new",
-         str(new), "--dsn", "DSN", "--pairs", "1", "--workloads", "W7",
-         "--out", str(tmp_path / "s.jsonl")],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
+        command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stderr=subprocess.DEVNULL)
     log = tmp_path / "order.log"
     wait_for(lambda: log.exists() and log.read_text().startswith("old W7 fit"), 30,
              what="the first bench to start")

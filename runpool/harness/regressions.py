@@ -348,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     # A bench runs in a session of its own: stopped by `timeout` or kill, this process must
     # stop it too (run_one's KeyboardInterrupt path), or it runs on, orphaned.
     signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started in a script's background (`cmd &` ignores SIGINT), every bench would inherit
+        # the ignore: the SIGINT that stops one (_stop) would be lost, each timeout would cost
+        # the whole grace, and the bench's pools and databases would be left to SIGKILL.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     out = args.out or Path(f"/tmp/regressions-{time.strftime('%Y%m%dT%H%M%S')}.jsonl")
     header = {"kind": "header", "old": f"{trees['old']} {_commit(trees['old'])}",
               "new": f"{trees['new']} {_commit(trees['new'])}", "pairs": args.pairs,
