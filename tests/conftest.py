@@ -30,7 +30,11 @@ def server_dsn() -> str:
     dsn = os.environ.get("RUNPOOL_TEST_DSN")
     if dsn:
         return dsn
-    data_dir = Path(tempfile.gettempdir()) / "runpool-test-pgdata"
+    # One server per pytest-xdist process: the notification queue, max_connections and
+    # checkpoints are the server's, so a test filling one would slow or fail its neighbours.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...; unset with -n 0
+    data_dir = Path(tempfile.gettempdir()) / ("runpool-test-pgdata"
+                                              + (f"-{worker}" if worker else ""))
     return start_embedded(data_dir)
 
 
