@@ -7,6 +7,7 @@ from it, so tests never see each other's runs.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -25,17 +26,31 @@ from runpool.testing.databases import create_database, drop_database
 MODEL_CALLS_DDL = "CREATE TABLE model_calls (run_id uuid, turn int, attempt int)"
 
 
+# How many test processes `-n auto` (pyproject's addopts) starts. The tests mostly wait
+# (leases, timeouts, restarts), so three share two cores well, each with its own embedded
+# server: the notification queue, max_connections, roles and the checkpoint a DROP DATABASE
+# forces are a server's, and tests sharing one would slow or fail each other. On
+# RUNPOOL_TEST_DSN's one server they run in one process.
+EMBEDDED_PROCESSES = 3
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return 0 if os.environ.get("RUNPOOL_TEST_DSN") else EMBEDDED_PROCESSES
+
+
 @pytest.fixture(scope="session")
 def server_dsn() -> str:
     dsn = os.environ.get("RUNPOOL_TEST_DSN")
     if dsn:
         return dsn
-    # One server per pytest-xdist process: the notification queue, max_connections and
-    # checkpoints are the server's, so a test filling one would slow or fail its neighbours.
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...; unset with -n 0
-    data_dir = Path(tempfile.gettempdir()) / ("runpool-test-pgdata"
-                                              + (f"-{worker}" if worker else ""))
-    return start_embedded(data_dir)
+    base = Path(tempfile.gettempdir()) / "runpool-test-pgdata"
+    data_dir = base.with_name(f"{base.name}-{worker}") if worker else base
+    # One process at a time: pgserver creates its system user (as root) before it takes its
+    # own lock, and two processes' useradd at once fail one of them.
+    with open(base.with_name(f"{base.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return start_embedded(data_dir)
 
 
 @pytest.fixture(scope="session")

@@ -36,12 +36,14 @@ import runpool
 from runpool.migrate import migrations
 from tests.helpers import ROOT, run_row, wait_for
 
-pytestmark = pytest.mark.slow
+# A wheel build and a venv's install, beside the suite's other processes: past the
+# default timeout (180 s) only on a machine far busier than the builds' own bounds allow.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # Not part of a distribution: copying them would only slow the build down.
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".mypy_cache",
-    ".ruff_cache", ".pytest_cache", ".runpool")
+    ".ruff_cache", ".pytest_cache", ".runpool", ".hypothesis")
 
 # The app the installed pool runs: a tool call and a message, checkpointed as usual.
 _APP = '''

@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from runpool.testing.pools import load_stretch
 from tests.helpers import ROOT, pool_env
 
 
+@pytest.mark.timeout(0)  # bounded by its own, load-stretched timeout below
 def test_soak__a_short_soak_under_random_faults_keeps_every_invariant(server_dsn: str) -> None:
     out = subprocess.run(
         # 18 s of faults, and on until 150 runs came (a loaded machine is slower to get there).
@@ -31,6 +34,7 @@ def test_soak__a_short_soak_under_random_faults_keeps_every_invariant(server_dsn
     assert sum(report["statuses"].values()) >= 100 and report["watch_samples"] > 100
 
 
+@pytest.mark.timeout(600)  # its own bound (300 s) counts, not the suite's default
 def test_bloat_soak__short_run_reports_sizes_latency_and_the_pinned_xmin(
         server_dsn: str, tmp_path: Path) -> None:
     plot = tmp_path / "soak.png"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -15,6 +17,7 @@ def test_ruff__clean() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.timeout(600)  # its own bound (300 s) counts, not the suite's default
 def test_mypy_strict__clean() -> None:
     proc = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
@@ -24,6 +27,8 @@ def test_mypy_strict__clean() -> None:
 # What the pool loads: the library's own modules, never the test toolkit or the harness.
 _POOL_MODULES = """
 import sys
+
+import pytest
 import runpool, runpool.cli, runpool.pool, runpool.supervisor, runpool.worker
 print("\\n".join(sorted(m for m in sys.modules if m.startswith("runpool"))))
 """
