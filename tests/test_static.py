@@ -27,8 +27,6 @@ def test_mypy_strict__clean() -> None:
 # What the pool loads: the library's own modules, never the test toolkit or the harness.
 _POOL_MODULES = """
 import sys
-
-import pytest
 import runpool, runpool.cli, runpool.pool, runpool.supervisor, runpool.worker
 print("\\n".join(sorted(m for m in sys.modules if m.startswith("runpool"))))
 """
