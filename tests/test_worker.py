@@ -89,8 +89,10 @@ def test_bad_handlers__fail_once_with_a_reason_and_the_worker_keeps_going(
 
 def test_heartbeats__keep_a_long_run_through_many_lease_periods(
         conn: psycopg.Connection, dsn: str) -> None:
-    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 4})
-    with running_pool(dsn, workers=2, lease_seconds=0.9):
+    # Four lease periods. A 1.5 s lease (a beat every 0.5 s) rides out a 1 s stall of a
+    # loaded host, which a 0.9 s one would not.
+    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 6})
+    with running_pool(dsn, workers=2, lease_seconds=1.5):
         wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="long run")
     row = run_row(conn, run_id)
     assert row["attempt"] == 1
