@@ -107,6 +107,28 @@ def events(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> list[str]:
         "SELECT kind FROM runpool.run_events WHERE run_id = %s ORDER BY id", (run_id,))]
 
 
+# A notification sent after the ones a test counts (see rung_before_fence).
+FENCE_PAYLOAD = "runpool-test-fence"
+# Rings a fence on a channel, as its own transaction.
+_FENCE = "SELECT pg_notify(%s, %s)"
+
+
+def rung_before_fence(listener: psycopg.Connection[Any], dsn: str, channel: str
+                      ) -> list[psycopg.Notify]:
+    """Every notification `listener` got before a fence this call rings on `channel` (which
+    `listener` LISTENs on). PostgreSQL delivers notifications in the order their
+    transactions committed, so each ring committed before this call is counted, however
+    late it arrives, and none after: no guessed window either way (10 s bound)."""
+    with psycopg.connect(dsn, autocommit=True) as fencer:
+        fencer.execute(_FENCE, (channel, FENCE_PAYLOAD))
+    heard: list[psycopg.Notify] = []
+    for note in listener.notifies(timeout=10):
+        if note.channel == channel and note.payload == FENCE_PAYLOAD:
+            return heard
+        heard.append(note)
+    raise AssertionError(f"the fence on {channel} did not arrive within 10 s; heard {heard}")
+
+
 def live_workers(conn: psycopg.Connection[Any]) -> list[tuple[uuid.UUID, int]]:
     return list(conn.execute(
         "SELECT id, pid FROM runpool.workers WHERE stopped_at IS NULL ORDER BY started_at"))

@@ -28,7 +28,7 @@ from runpool.db import aconnect
 from runpool.errors import AppNotFound, InvalidInput
 from runpool.firing import BATCH, Tick, fire_due
 from runpool.schedules import ON_TIME_SECONDS, Schedule, due_plans, next_plan, plan_key, upcoming
-from tests.helpers import running_pool, scalar, until, wait_for
+from tests.helpers import rung_before_fence, running_pool, scalar, until, wait_for
 from tests.test_cli import cli
 
 APP = "tests.schedule_apps:app"
@@ -269,21 +269,17 @@ def test_set_schedule__rings_the_doorbell_only_when_the_timing_changes(
     with psycopg.connect(dsn, autocommit=True) as listener:
         listener.execute("LISTEN runpool_schedules")
 
-        def rings(waiting_for: int) -> int:
-            # Waits up to 10 s for an expected ring (a loaded host may deliver it late), then
-            # 0.3 s for any ring beyond it.
-            heard = sum(1 for _ in listener.notifies(timeout=10, stop_after=waiting_for)) \
-                if waiting_for else 0
-            return heard + sum(1 for _ in listener.notifies(timeout=0.3))
+        def rang() -> int:
+            return len(rung_before_fence(listener, dsn, "runpool_schedules"))
 
         conn.execute("SELECT runpool.set_schedule('s', '* * * * *', 'acme', 'tick')")
-        assert rings(waiting_for=1) == 1
+        assert rang() == 1
         conn.execute("SELECT runpool.set_schedule('s', '* * * * *', 'acme', 'tick')")
-        assert rings(waiting_for=0) == 0  # a pool restarting re-applies its schedules: silence
+        assert rang() == 0  # a pool restarting re-applies its schedules: silence
         pin(conn, "s", utc("2026-11-30T10:00:00Z"))
-        assert rings(waiting_for=1) == 1
+        assert rang() == 1
         conn.execute("SELECT runpool.delete_schedule('s')")
-        assert rings(waiting_for=1) == 1
+        assert rang() == 1
 
 
 def test_roles__the_api_sets_schedules_the_worker_role_fires_them_neither_writes_rows(

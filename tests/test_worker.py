@@ -89,10 +89,11 @@ def test_bad_handlers__fail_once_with_a_reason_and_the_worker_keeps_going(
 
 def test_heartbeats__keep_a_long_run_through_many_lease_periods(
         conn: psycopg.Connection, dsn: str) -> None:
-    # Four lease periods. A 1.5 s lease (a beat every 0.5 s) rides out a 1 s stall of a
-    # loaded host, which a 0.9 s one would not.
-    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 6})
-    with running_pool(dsn, workers=2, lease_seconds=1.5):
+    # Four lease periods. A lease lasts from the beat that renewed it, and the next beat
+    # goes a third of a lease later: a 2 s lease rides out a ~1.3 s stall of a loaded host,
+    # where a 0.9 s one would lose it to a stall of ~0.6 s.
+    run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 8})
+    with running_pool(dsn, workers=2, lease_seconds=2):
         wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="long run")
     row = run_row(conn, run_id)
     assert row["attempt"] == 1
