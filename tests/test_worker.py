@@ -94,7 +94,8 @@ def test_heartbeats__keep_a_long_run_through_many_lease_periods(
     # where a 0.9 s one would lose it to a stall of ~0.6 s.
     run_id = runpool.enqueue(conn, "acme", "sleep", {"seconds": 8})
     with running_pool(dsn, workers=2, lease_seconds=2):
-        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", what="long run")
+        wait_for(lambda: run_row(conn, run_id)["status"] == "succeeded", timeout=30,
+                 what="long run")
     row = run_row(conn, run_id)
     assert row["attempt"] == 1
     assert events(conn, run_id) == ["enqueued", "claimed", "succeeded"]
