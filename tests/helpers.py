@@ -108,7 +108,7 @@ def events(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> list[str]:
 
 
 # A notification sent after the ones a test counts (see rung_before_fence).
-FENCE_PAYLOAD = "runpool-test-fence"
+_FENCE_PAYLOAD = "runpool-test-fence"
 # Rings a fence on a channel, as its own transaction.
 _FENCE = "SELECT pg_notify(%s, %s)"
 
@@ -120,10 +120,10 @@ def rung_before_fence(listener: psycopg.Connection[Any], dsn: str, channel: str
     transactions committed, so each ring committed before this call is counted, however
     late it arrives, and none after: no guessed window either way (10 s bound)."""
     with psycopg.connect(dsn, autocommit=True) as fencer:
-        fencer.execute(_FENCE, (channel, FENCE_PAYLOAD))
+        fencer.execute(_FENCE, (channel, _FENCE_PAYLOAD))
     heard: list[psycopg.Notify] = []
     for note in listener.notifies(timeout=10):
-        if note.channel == channel and note.payload == FENCE_PAYLOAD:
+        if note.channel == channel and note.payload == _FENCE_PAYLOAD:
             return heard
         heard.append(note)
     raise AssertionError(f"the fence on {channel} did not arrive within 10 s; heard {heard}")

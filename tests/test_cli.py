@@ -21,7 +21,7 @@ import runpool
 from runpool import cli as runpool_cli
 from runpool.db import aconnect, connect
 from runpool.migrate import applied_versions, check, migrate, migrations
-from runpool.testing.databases import drop_database, with_database
+from runpool.testing.databases import create_database, drop_database, with_database
 from tests.helpers import ROOT, pool_env, run_row, running_pool, wait_for
 
 
@@ -337,12 +337,9 @@ def test_worker_command__a_database_it_cannot_reach_is_one_line_a_try_and_it_rec
             assert "Traceback" not in proc.log(), proc.log()[-3000:]
             assert "dsn (RUNPOOL_DSN) cannot be connected to: connection failed:" in proc.log()
             assert f'database "{name}" does not exist' in proc.log()
-            with psycopg.connect(server_dsn, autocommit=True) as admin:
-                # Migrated as it appears: a worker restarted between a bare CREATE DATABASE
-                # and the migration would find no schema and stop the pool (exit 78), as it
-                # should.
-                admin.execute(psycopg.sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                    psycopg.sql.Identifier(name), psycopg.sql.Identifier(template_db)))
+            # Migrated as it appears: a worker restarted between a bare CREATE DATABASE and
+            # the migration would find no schema and stop the pool (exit 78), as it should.
+            create_database(server_dsn, name=name, template=template_db)
             with connect(later, autocommit=True) as conn:
                 # The backoff is at most 4 s by the third try.
                 wait_for(lambda: proc.log().count("action=worker_started") == 2, timeout=30,

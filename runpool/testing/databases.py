@@ -29,10 +29,12 @@ def database_name(dsn: str) -> str:
 
 
 def create_database(server_dsn: str, *, prefix: str = "runpool_scratch",
-                    template: str | None = None, encoding: str | None = None) -> str:
-    """The DSN of a new, uniquely named database on `server_dsn`'s server: a copy of the
-    database `template` if given, or an empty one (in `encoding` if given)."""
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+                    template: str | None = None, encoding: str | None = None,
+                    name: str | None = None) -> str:
+    """The DSN of a new database on `server_dsn`'s server, uniquely named after `prefix`
+    unless `name` is given (a DSN that already names it): a copy of the database `template`
+    if given, or an empty one (in `encoding` if given)."""
+    name = name or f"{prefix}_{uuid.uuid4().hex[:12]}"
     create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
     if template:
         create += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
