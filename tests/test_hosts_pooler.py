@@ -6,6 +6,7 @@ cancel notices still arrive over the direct connection."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import threading
@@ -109,9 +110,12 @@ def test_pooler__runs_enqueues_and_cancels_go_through_pgbouncer_in_transaction_m
     pooled = bouncer.dsn(dsn)
     with connect(pooled, autocommit=True, stateless=True) as api, _Peak(dsn) as peak:
         # 2 workers x (5 pooled + 1 heartbeat) client connections over 3 server connections;
-        # polls and heartbeats far apart, so only wake-ups and notices can be quick.
+        # polls and heartbeats far apart, so only wake-ups and notices can be quick. Drained,
+        # not killed: a worker killed inside a transaction makes PgBouncer drop that server
+        # connection and open another for a queued query while the dropped backend is still
+        # exiting, and the sampler would count both (CI once saw 4).
         with running_pool(pooled, workers=2, concurrency=8, poll_seconds=60,
-                          lease_seconds=120, listen_dsn=dsn) as pool:
+                          lease_seconds=120, listen_dsn=dsn, stop="drain") as pool:
             wait_for(lambda: peak.listening == 1, what="one LISTEN connection for the host")
             # W1's path: a bulk enqueue through the pooler, drained.
             ids = runpool.enqueue_many(api, [runpool.RunSpec("t1", "noop", {"i": i})
@@ -137,6 +141,9 @@ def test_pooler__runs_enqueues_and_cancels_go_through_pgbouncer_in_transaction_m
                 api, "SELECT count(*) = 4 FROM runpool.runs WHERE status = 'cancelled'"
                 " AND id = ANY(%s)", (holds,)), timeout=10, what="cancelled")
             assert "listen_lost" not in pool.log()
+        assert pool.returncode == 0, "the pool drained and exited cleanly"
+        dropped = re.findall(r"S-\w+: .* closing because: .*", bouncer.log())
+        assert not dropped, "PgBouncer dropped a server connection"
         assert peak.samples > 10
         assert peak.pooled <= POOL_SIZE, f"{peak.pooled} server connections through the pooler"
         assert peak.listening == 1
