@@ -14,7 +14,7 @@ from . import faults
 from .db import NO_JIT, loads_exact, one_trip
 from .errors import InvalidInput
 from .queries import QUERIES
-from .trips import JsonText, Rows, Trip
+from .trips import JsonText, Rows, Trip, Via
 
 __all__ = ["ClaimedRun", "PendingClaim", "Statements", "claim", "claim_statements",
            "read_claimed", "reap"]
@@ -181,22 +181,23 @@ async def read_claimed(pending: PendingClaim | None) -> list[ClaimedRun]:
     return [ClaimedRun(*row) for row in await pending.claimed.fetchall()]
 
 
-async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, no_jit: bool = True,
+async def claim(conn: psycopg.AsyncConnection[Any], *, limit: int, via: Via = "pipeline",
                 **options: Any) -> list[ClaimedRun]:
     """Claim up to `limit` runs in one short transaction of their own (never held across
-    handler code); `options` are claim_statements' (worker_id, lease_seconds, ...). `no_jit`:
-    turn JIT off for the transaction (False: the session is a worker session, which has it
-    off already and pins read committed, see db.WORKER_SESSION: the claim is one simple query
-    of prepared statements, see runpool.trips)."""
+    handler code); `options` are claim_statements' (worker_id, lease_seconds, ...). `via`:
+    how the statements travel (runpool.trips.Via): "pipeline", on any connection, turns JIT
+    off for the transaction; "prepared" needs a worker session, which has it off already and
+    pins read committed (db.WORKER_SESSION); "functions" needs this runpool's hot functions
+    (runpool.pooled). Either of those is one simple query."""
     if limit <= 0:
         return []
-    if no_jit:
+    if via == "pipeline":
         # BEGIN, the reap, the tenant locks, the claim and COMMIT travel in one round trip.
         async with one_trip(conn):
             await conn.execute(NO_JIT)
             pending = await claim_statements(conn, limit=limit, **options)
     else:
-        trip = Trip(conn)
+        trip = Trip(conn, functions=via == "functions")
         pending = await claim_statements(trip, limit=limit, **options)
         await trip.send()
     faults.hit("claim.committed", conn)

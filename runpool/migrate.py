@@ -1,32 +1,25 @@
-"""Applies migrations/NNNN_name.sql in order, once, under an advisory lock.
-
-The files are package resources (`runpool/migrations` is the top-level `migrations/` directory,
-copied into the wheel at build time), so an installed runpool finds them wherever it lives.
+"""Applies migrations/NNNN_name.sql (runpool.migration_files) in order, once, under an
+advisory lock; then the hot statements' functions (runpool.pooled).
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
-from importlib.abc import Traversable
-from importlib.resources import files
 from typing import Any, Final, LiteralString, cast
 
 import psycopg
 from psycopg import sql
 
+from . import pooled
 from .errors import SchemaOutOfDate, UnsafeSchema, UsageError
+from .migration_files import Migration, latest_version, migrations
 
 __all__ = [
-    "Migration", "applied_versions", "check", "check_owner", "migrate", "migrations",
-    "pending", "script",
+    "Migration", "applied_versions", "check", "check_owner", "latest_version", "migrate",
+    "migrations", "pending", "script",
 ]
 
 logger = logging.getLogger("runpool.migrate")
-
-MIGRATIONS_DIR: Final[Traversable] = files("runpool") / "migrations"
-_NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 # The database encoding runpool's text fits in. Not SQL_ASCII either: it stores any bytes an
 # SQL caller sends, and one run holding bytes that are not UTF-8 (say its input) then fails
@@ -74,27 +67,6 @@ RECORD_LITERAL: Final = sql.SQL(
     "INSERT INTO runpool.schema_migrations (version, name) VALUES ({}, {});")
 
 
-@dataclass(frozen=True, slots=True)
-class Migration:
-    version: int
-    name: str
-    sql: str
-
-
-def migrations(directory: Traversable = MIGRATIONS_DIR) -> list[Migration]:
-    found = []
-    for entry in directory.iterdir():
-        match = _NAME.match(entry.name)
-        if match:
-            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
-    if not found:
-        # An installation without its migrations would call an empty database up to date
-        # and let workers crash-loop on missing tables: refuse loudly instead.
-        raise SchemaOutOfDate(f"no migrations found in {directory}: this runpool installation"
-                              " is incomplete; reinstall it")
-    return sorted(found, key=lambda m: m.version)
-
-
 def applied_versions(conn: psycopg.Connection[Any]) -> set[int]:
     row = conn.execute(HAS_TABLE).fetchone()
     if not row or not row[0]:
@@ -119,6 +91,12 @@ def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
             # Migration files are static text shipped with the package, never user input.
             conn.execute(cast(LiteralString, m.sql))  # type: ignore[redundant-cast]
             conn.execute(RECORD, (m.version, m.name))
+        # The hot statements' functions for workers behind a pooler: made from the schema
+        # as migrated, so in the same transaction, after the migrations.
+        made = pooled.install(conn)
+    if made:
+        logger.info("created %d hot functions for workers behind a pooler", made,
+                    extra={"action": "hot_functions_created", "functions": made})
     warn_old_pools(conn)
     warn_public_connect(conn)
     return todo
@@ -189,11 +167,18 @@ def script(conn: psycopg.Connection[Any]) -> str:
     its record, in one transaction under the same lock (`migrate --sql | psql`)."""
     check_owner(conn)  # a script for a schema someone else controls would be unsafe too
     parts = ["BEGIN;", LOCK_MIGRATIONS + ";", BOOTSTRAP.strip() + ";"]
-    for m in pending(conn):
+    todo = pending(conn)
+    for m in todo:
         parts.append(f"-- {m.version:04d}_{m.name}.sql")
         # A file's last statement may lack its semicolon (or end in a comment): psql needs one.
         parts.extend((m.sql.strip(), ";"))
         parts.append(RECORD_LITERAL.format(m.version, m.name).as_string(conn))
+    if todo:
+        # Described on the migrated schema, they can be made only once this script has run.
+        parts.append("-- then run `migrate --sql` again: it adds the hot statements' functions"
+                     " for workers behind a pooler (runpool.pooled)")
+    else:
+        parts.extend(c.as_string(conn) + ";" for c in pooled.creations(conn))
     parts.append("COMMIT;")
     return "\n".join(parts) + "\n"
 

@@ -28,7 +28,7 @@ from .errors import (
     type_name,
 )
 from .queries import QUERIES
-from .trips import Rows, Trip
+from .trips import Rows, Trip, Via
 
 __all__ = ["Outcome", "OutcomeWriter", "Refill", "error_doc", "finish_params", "from_exception",
            "from_result", "retry_after"]
@@ -206,12 +206,11 @@ class OutcomeWriter:
     """
 
     def __init__(self, pool: AsyncConnectionPool, *, worker_id: uuid.UUID,
-                 refill: Refill | None = None, no_jit: bool = True) -> None:
+                 refill: Refill | None = None, via: Via = "pipeline") -> None:
         self._pool = pool
-        # Turn JIT off in each refilling transaction (False: the pool's sessions are worker
-        # sessions, which have it off already and pin read committed, see db.WORKER_SESSION:
-        # a batch is one simple query of the statements they prepared, see runpool.trips).
-        self._no_jit = no_jit
+        # How a batch's statements travel (runpool.trips.Via; claiming.claim says what each
+        # needs): with "prepared" or "functions", a batch is one simple query.
+        self._via: Via = via
         self._worker_id = worker_id
         self._refill = refill
         self._queue: asyncio.Queue[Pending] = asyncio.Queue()
@@ -333,10 +332,10 @@ class OutcomeWriter:
         sent = time.monotonic()
         async with bounded(self._pool, 10) as conn:
             faults.hit("outcome.committing", conn)
-            if not self._no_jit:
-                # A worker session: the finishes, the keys' release and the claim in one
-                # simple query, its one implicit transaction; nothing is sent before send().
-                trip = Trip(conn)
+            if self._via != "pipeline":
+                # The finishes, the keys' release and the claim in one simple query, its one
+                # implicit transaction; nothing is sent before send().
+                trip = Trip(conn, functions=self._via == "functions")
                 finished, pending = await self._batch_statements(trip, params, serial, room)
                 await trip.send()
             elif room > 0:

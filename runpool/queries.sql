@@ -75,7 +75,8 @@ events AS (
     FROM reaped
 )
 SELECT count(*) AS reaped,
-       CASE WHEN bool_or(status = 'queued') THEN pg_notify('runpool_wakeup', '') END AS rang,
+       (CASE WHEN bool_or(status = 'queued') THEN pg_notify('runpool_wakeup', '') END) IS NOT NULL
+           AS rang,
        count(runpool._ring(id)) FILTER (WHERE status <> 'queued') AS ended
 FROM reaped;
 

@@ -1,5 +1,7 @@
-"""A worker session's hot trips as ONE simple-protocol query: `EXECUTE name(literal, ...);`
-for each statement, of statements the session prepared once (PREPARE name AS ...).
+"""A worker's hot trips as ONE simple-protocol query: `EXECUTE name(literal, ...);` for each
+statement, of statements the session prepared once (PREPARE name AS ...); or, behind a
+transaction-mode pooler, `SELECT * FROM runpool.hot_name_hash(literal, ...);` of the same
+statements installed as PL/pgSQL functions (runpool.pooled), whose plans the server keeps.
 
 Why: psycopg's pipeline costs ~35-55 us of client CPU per statement (a Parse/Bind/Execute,
 parameter dumping and a result round each); an outcome batch with its refill is up to eleven.
@@ -10,18 +12,20 @@ commit's batch of checkpoint writes (runpool.commits) goes the same way: its bat
 
 Semantics are the pinned pipeline's (db.one_trip, pinned=True): a multi-statement simple query
 in autocommit is one implicit transaction, so an error skips the rest and rolls it all back,
-and nothing is sent before send(). Only for worker sessions (db.WORKER_SESSION): behind a
-transaction-mode pooler the session and its prepared statements are not ours.
+and nothing is sent before send(). Prepared statements only on worker sessions
+(db.WORKER_SESSION): behind a transaction-mode pooler the session is not ours, so a trip
+there calls the functions, and sets what a worker session pins for its own transaction only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, LiteralString, Protocol
+from typing import Any, Final, Literal, LiteralString, Protocol
 
 import orjson
 import psycopg
@@ -31,9 +35,11 @@ from psycopg.types.json import Jsonb
 
 from checkpoints.batch_sql import BATCH_FINISH, BATCH_INTENT, BATCH_MESSAGE
 
+from .migration_files import latest_version
 from .queries import QUERIES
 
-__all__ = ["BATCHES", "HOT", "Answer", "JsonText", "Rows", "Trip", "prepared_sql"]
+__all__ = ["BATCHES", "HOT", "HOT_STATEMENTS", "Answer", "HotStatement", "JsonText", "Rows",
+           "Trip", "Via", "prepared_sql"]
 
 # The statements a trip runs prepared: the outcome batch's and the claim's.
 HOT: Final = ("finish_runs", "defer_serial_release", "lock_ended_serial_keys",
@@ -59,11 +65,22 @@ class JsonText(Loader):
         return bytes(data)
 
 
+# How a worker's hot statements travel: a trip of the session's prepared statements (a worker
+# session), a trip of calls to their functions (behind a pooler, runpool.pooled), or psycopg's
+# pipeline of the statements themselves (any connection; behind a pooler whose database lacks
+# this runpool's functions, planned on every call).
+Via = Literal["prepared", "functions", "pipeline"]
+
+
 @dataclass(frozen=True, slots=True)
-class _Prepared:
+class HotStatement:
     name: bytes  # a fixed identifier: runpool_ and the statement's name in queries.sql
     params: tuple[str, ...]  # the %(name)s parameters, in $n order
     sql: str  # the statement with $n placeholders
+    # Its function's name (in schema runpool): hot_, the name and a digest of `sql` and of the
+    # schema's version (which gives the function its column types): a fleet mixing versions
+    # calls, for each version, the statement that version holds, on the schema it was made on.
+    function: bytes
 
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%|%s")
@@ -86,9 +103,15 @@ def prepared_sql(query: str) -> tuple[str, tuple[str, ...]]:
     return _PLACEHOLDER.sub(number, query), tuple(order)
 
 
-def _prepared(name: str, query: str) -> _Prepared:
+# The schema's version the hot functions are made for (see HotStatement.function).
+_SCHEMA: Final = latest_version()
+
+
+def _prepared(name: str, query: str) -> HotStatement:
     sql, params = prepared_sql(query)
-    return _Prepared(f"runpool_{name}".encode(), params, sql)
+    digest = hashlib.sha256(f"{_SCHEMA}\n{sql}".encode()).hexdigest()[:12]
+    return HotStatement(f"runpool_{name}".encode(), params, sql,
+                        f"hot_{name}_{digest}".encode())
 
 
 # The checkpoint writes' batch statements (a worker's group commit, runpool.commits), by name.
@@ -97,15 +120,25 @@ BATCHES: Final = {"batch_message": BATCH_MESSAGE, "batch_intent": BATCH_INTENT,
 # By the statement's text, as the callers hold it (the modules' own strings: their hash is
 # cached and the lookup meets the same object, so finding a 3k-character statement costs
 # nothing).
-_HOT: Final[dict[str, _Prepared]] = {QUERIES[n]: _prepared(n, QUERIES[n]) for n in HOT}
+_HOT: Final[dict[str, HotStatement]] = {QUERIES[n]: _prepared(n, QUERIES[n]) for n in HOT}
+# The hot statements, each with its function (runpool.pooled installs them).
+HOT_STATEMENTS: Final[tuple[HotStatement, ...]] = tuple(_HOT.values())
 # The batch statements, prepared apart, by the first trip that sends one: a session that
 # prepared them as it opened would wait there for any lock on messages or tool_calls (an
 # operator's ALTER TABLE), and with it the worker's claims and heartbeats.
-_BATCHES: Final[dict[str, _Prepared]] = {
+_BATCHES: Final[dict[str, HotStatement]] = {
     query: _prepared(n, query) for n, query in BATCHES.items()}
-_BY_TEXT: Final[dict[str, _Prepared]] = {**_HOT, **_BATCHES}
+_BY_TEXT: Final[dict[str, HotStatement]] = {**_HOT, **_BATCHES}
 _TUPLES_OK: Final = psycopg.pq.ExecStatus.TUPLES_OK
 _LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)"
+# A functions trip's first statement: for its transaction only, what a worker session pins
+# for itself (db.WORKER_SESSION) and the hot functions' plans rely on: JIT off (a claim's
+# estimate past jit_above_cost compiled its plan on every call), the generic plan made once
+# per server session (its plan for an empty queue, enable_seqscan off, stays good for a
+# deep one).
+_FUNCTIONS_SETTINGS: Final = (
+    b"SELECT set_config('jit', 'off', true), set_config('plan_cache_mode', 'force_generic_plan',"
+    b" true), set_config('enable_seqscan', 'off', true)")
 
 # Sessions that prepared the statements. Weak: a connection the pool dropped takes its entry
 # with it, and a new one (after a restart, say) prepares again.
@@ -141,9 +174,11 @@ class Trip:
     serves both), sent as one simple query by send(). jsonb columns come back as JSON text
     (JsonText): the claim's inputs are decoded in each run's slot."""
 
-    __slots__ = ("_answers", "_batches", "_escaping", "_parts", "connection")
+    __slots__ = ("_answers", "_batches", "_escaping", "_functions", "_parts", "connection")
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection[Any], *, functions: bool = False) -> None:
+        """`functions`: call the hot statements' functions (Via "functions") instead of the
+        session's prepared statements."""
         if not conn.autocommit:
             # Its implicit transaction is what makes the trip all-or-nothing.
             raise psycopg.ProgrammingError("a trip needs an autocommit connection")
@@ -154,6 +189,10 @@ class Trip:
         self._answers: list[Answer] = []
         # Whether a batch statement is among them (prepared apart, see _BATCHES).
         self._batches = False
+        self._functions = functions
+        if functions:
+            self._parts.append(_FUNCTIONS_SETTINGS)
+            self._answers.append(Answer())
 
     async def execute(self, query: LiteralString, params: Mapping[str, Any] | None = None
                       ) -> Answer:
@@ -164,6 +203,12 @@ class Trip:
             if params:
                 raise psycopg.ProgrammingError("a trip takes parameters for HOT statements only")
             self._parts.append(query.encode(_ENCODING))
+        elif self._functions:
+            if query not in _HOT:
+                raise psycopg.ProgrammingError("a functions trip takes HOT statements only")
+            assert params is not None or not prepared.params
+            self._parts.append(b"SELECT * FROM runpool.%b(%b)" % (prepared.function, b",".join(
+                [self._literal(params[p]) for p in prepared.params] if params else [])))
         elif prepared.params:
             assert params is not None
             self._batches = self._batches or query in _BATCHES
@@ -207,6 +252,9 @@ class Trip:
         if not self._answers:
             return
         conn = self.connection
+        if self._functions:
+            await self._send(b";\n".join(self._parts))
+            return
         if conn not in _sessions:
             await _prepare(conn, _HOT)
             _sessions.add(conn)
@@ -277,7 +325,7 @@ def _element(value: Any) -> str:
     return '"' + _text(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-async def _prepare(conn: psycopg.AsyncConnection[Any], which: dict[str, _Prepared]) -> None:
+async def _prepare(conn: psycopg.AsyncConnection[Any], which: dict[str, HotStatement]) -> None:
     """Prepare those of `which` the session lacks (all on a new session, after DISCARD ALL
     all, after a DEALLOCATE that one). Asked, not assumed: a PREPARE whose answer was lost
     (its task cancelled) may have run, and a second would fail."""

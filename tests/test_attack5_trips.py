@@ -45,9 +45,9 @@ def test_sql_ascii_session__non_ascii_result_is_recorded_not_rejected(
         try:
             async with pool.connection() as c:
                 assert c.info.encoding == "utf-8"
-                (run,) = await claim(c, limit=1, no_jit=False, worker_id=uuid.uuid4(),
+                (run,) = await claim(c, limit=1, via="prepared", worker_id=uuid.uuid4(),
                                      lease_seconds=30, handlers=["noop"])
-            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), no_jit=False)
+            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), via="prepared")
             task = asyncio.create_task(writer.run())
             try:
                 return await asyncio.wait_for(writer.submit(from_result(
@@ -75,7 +75,7 @@ def test_sql_ascii_session__non_ascii_handler_can_claim(
         async with await aconnect(dsn, autocommit=True) as c:
             await c.execute("SELECT set_config('default_transaction_isolation',"
                             " 'read committed', false)")
-            return await claim(c, limit=1, no_jit=False, worker_id=uuid.uuid4(),
+            return await claim(c, limit=1, via="prepared", worker_id=uuid.uuid4(),
                                lease_seconds=30, handlers=["résumé"])
 
     claimed = asyncio.run(main())

@@ -17,6 +17,7 @@ from runpool.claiming import claim
 from runpool.db import aconnect, connect
 from runpool.queries import QUERIES
 from runpool.testing.proxy import Proxy
+from runpool.trips import HOT_STATEMENTS
 from tests.helpers import (
     assert_invariants,
     events,
@@ -325,7 +326,12 @@ def test_catalog__every_function_is_definer_pinned_and_not_public(
     inlined = {name for name, definer, config, public, rule in rows
                if name in helpers and not definer and not config}
     assert inlined == set(helpers)
+    # The hot statements' functions (runpool.pooled) are the worker's own statements, run
+    # with the worker's rights, and SET-free (a SET would undo their set_config(..., true)).
+    hot = {h.function.decode() for h in HOT_STATEMENTS}
+    assert {name for name, definer, config, *_ in rows
+            if name in hot and not definer and not config} == hot
     bad = [(name, definer, config, public) for name, definer, config, public, rule in rows
-           if public or (not rule and name not in inlined
+           if public or (not rule and name not in inlined and name not in hot
                          and (not definer or "search_path=" not in config))]
     assert bad == []

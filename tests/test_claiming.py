@@ -4,6 +4,7 @@ import asyncio
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -148,7 +149,7 @@ def test_zombie_heartbeat_after_its_lease_expired__does_not_revive_it_past_the_q
                   " AND lease_expires_at > now()") == 1
 
 
-async def _claim_once(dsn: str, worker_id: uuid.UUID, **options: bool) -> list[uuid.UUID]:
+async def _claim_once(dsn: str, worker_id: uuid.UUID, **options: Any) -> list[uuid.UUID]:
     async with await aconnect(dsn, autocommit=True) as c:
         got = await claim(c, worker_id=worker_id, limit=5, lease_seconds=30, **options)
     return [r.id for r in got]

@@ -19,9 +19,11 @@ from psycopg.types.json import Jsonb
 import checkpoints
 import runpool
 from runpool import cli as runpool_cli
+from runpool import pooled
 from runpool.db import aconnect, connect
 from runpool.migrate import applied_versions, check, migrate, migrations
 from runpool.testing.databases import create_database, drop_database, with_database
+from runpool.trips import HOT
 from tests.helpers import ROOT, pool_env, run_row, running_pool, wait_for
 
 
@@ -236,21 +238,38 @@ def _psql() -> str:
     return str(Path(pgserver.__file__).parent / "pginstall" / "bin" / "psql")
 
 
-def test_migrate_sql__piped_to_psql_creates_the_schema(empty_dsn: str) -> None:
-    script = cli(empty_dsn, "migrate", "--sql")
-    assert script.returncode == 0, script.stderr
-    for _ in range(2):  # the second time, on the migrated database: nothing left to do
-        applied = subprocess.run([_psql(), "-X", "-q", "-v", "ON_ERROR_STOP=1", empty_dsn],
-                                 input=script.stdout, capture_output=True, text=True,
-                                 timeout=60)
-        assert applied.returncode == 0, applied.stderr
-        with connect(empty_dsn, autocommit=True) as conn:
-            check(conn)  # what a worker checks before it starts
-            assert applied_versions(conn) == {m.version for m in migrations()}
-            assert migrate(conn) == []
-            runpool.enqueue(conn, "acme", "noop")
-        script = cli(empty_dsn, "migrate", "--sql")
-        assert "CREATE TABLE runpool.runs" not in script.stdout
+def test_migrate_sql__piped_to_psql_creates_the_schema_then_the_hot_functions(
+        empty_dsn: str) -> None:
+    """The hot statements' functions are described on the migrated schema: a script with
+    migrations to apply says to run it again, and the next one creates them."""
+    def applied(script: str) -> None:
+        done = subprocess.run([_psql(), "-X", "-q", "-v", "ON_ERROR_STOP=1", empty_dsn],
+                              input=script, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    def script() -> str:
+        made = cli(empty_dsn, "migrate", "--sql")
+        assert made.returncode == 0, made.stderr
+        return made.stdout
+
+    first = script()
+    assert "CREATE TABLE runpool.runs" in first and "`migrate --sql` again" in first
+    applied(first)
+    with connect(empty_dsn, autocommit=True) as conn:
+        check(conn)  # what a worker checks before it starts
+        assert applied_versions(conn) == {m.version for m in migrations()}
+        assert len(pooled.missing(conn)) == len(HOT)
+    second = script()
+    assert "CREATE TABLE runpool.runs" not in second
+    assert second.count("CREATE OR REPLACE FUNCTION runpool.\"hot_") == len(HOT)
+    applied(second)
+    with connect(empty_dsn, autocommit=True) as conn:
+        assert pooled.missing(conn) == []
+        assert migrate(conn) == []
+        runpool.enqueue(conn, "acme", "noop")
+    third = script()  # nothing left to do, and psql says so by doing nothing
+    assert "FUNCTION" not in third and "CREATE TABLE runpool.runs" not in third
+    applied(third)
 
 
 # -- errors -------------------------------------------------------------------------------------

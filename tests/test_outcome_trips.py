@@ -86,7 +86,8 @@ async def _finish_traced(dsn: str, refill: _Refill, *, pinned: bool = False
                                handlers=["noop"])
     pool = await open_pool(dsn, size=1, name="test-outcome-trips")
     try:
-        writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill, no_jit=not pinned)
+        writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill,
+                               via="prepared" if pinned else "pipeline")
         async with pool.connection() as conn:  # the pool's one connection, traced throughout
             traced = conn
             if pinned:

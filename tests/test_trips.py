@@ -21,7 +21,7 @@ from runpool.claiming import ClaimedRun, PendingClaim, Statements, claim, claim_
 from runpool.db import aconnect, open_pool
 from runpool.outcomes import OutcomeWriter, finish_params, from_result
 from runpool.queries import QUERIES
-from runpool.trips import HOT, Trip, prepared_sql
+from runpool.trips import HOT, Trip, Via, prepared_sql
 
 from .helpers import claim_cancelled_after, run_row
 
@@ -73,13 +73,15 @@ def test_prepared_sql__numbers_named_placeholders_once_each() -> None:
         prepared_sql("SELECT %s")
 
 
+@pytest.mark.parametrize("via", ["prepared", "functions"])
 @pytest.mark.parametrize("conforming", ["on", "off"])
 def test_trip__hostile_names_inputs_and_results_arrive_unchanged(
-        conn: psycopg.Connection, dsn: str, conforming: str) -> None:
+        conn: psycopg.Connection, dsn: str, conforming: str, via: Via) -> None:
     """Tenants, handlers (a claim's parameter), inputs (JSON text back from the claim) and
     results (the finish's parameter) full of quotes, backslashes, dollar quotes, semicolons
     and non-ASCII text go through a claim and a finish on the trip path unchanged, whatever
-    standard_conforming_strings says (libpq quotes for the session's setting)."""
+    standard_conforming_strings says (libpq quotes for the session's setting), whether the
+    trip executes prepared statements or calls the hot functions (behind a pooler)."""
     runs = {runpool.enqueue(conn, f"tenant {h}", f"handler {h}", _hostile_json(i)): i
             for i, h in enumerate(HOSTILE)}
     handlers = [f"handler {h}" for h in HOSTILE]
@@ -89,9 +91,9 @@ def test_trip__hostile_names_inputs_and_results_arrive_unchanged(
         try:
             async with pool.connection() as c:
                 await c.execute(f"SET standard_conforming_strings = {conforming}")
-                claimed = await claim(c, limit=100, no_jit=False, **_claim_options(handlers))
+                claimed = await claim(c, limit=100, via=via, **_claim_options(handlers))
                 prepared = await (await c.execute(OURS)).fetchone()
-            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), no_jit=False)
+            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), via=via)
             writing = asyncio.create_task(writer.run())
             try:
                 statuses = await asyncio.wait_for(asyncio.gather(*[
@@ -105,7 +107,8 @@ def test_trip__hostile_names_inputs_and_results_arrive_unchanged(
             await pool.close()
 
     claimed, statuses, prepared = asyncio.run(main())
-    assert prepared == len(HOT)  # the trip path it was: the session prepared the statements
+    # The trip path it was: the session prepared the statements, or the functions did it all.
+    assert prepared == (len(HOT) if via == "prepared" else 0)
     assert sorted(r.id for r in claimed) == sorted(runs)
     for run in claimed:
         i = runs[run.id]
@@ -117,6 +120,34 @@ def test_trip__hostile_names_inputs_and_results_arrive_unchanged(
         assert run_row(conn, run_id)["result"] == _hostile_json(i + 1)
 
 
+# What a worker session pins and a functions trip sets for its transaction only.
+SESSION = """
+SELECT current_setting('plan_cache_mode'), current_setting('jit'),
+       current_setting('enable_seqscan'), (SELECT count(*) FROM pg_prepared_statements)
+"""
+
+
+def test_functions_trip__a_claim_is_one_query_and_leaves_the_session_as_it_was(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Behind a pooler a claim calls the hot functions: one Query message, no Parse, one round
+    trip, and the server session (the pooler's, next lent to anyone) keeps none of its
+    settings and no prepared statement."""
+    run_id = runpool.enqueue(conn, "acme", "noop")
+
+    async def main() -> tuple[Any, dict[str, int], Any, Any]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            before = await (await c.execute(SESSION)).fetchone()
+            claimed, counts, _ = await _traced(c, lambda: claim(
+                c, limit=1, via="functions", touch=True, on_schedules=lambda *a: None,
+                on_skipped=lambda skipped: None, **_claim_options(["noop"])))
+            return claimed, counts, before, await (await c.execute(SESSION)).fetchone()
+
+    claimed, counts, before, after = asyncio.run(main())
+    assert [r.id for r in claimed] == [run_id]
+    assert counts == {"round_trips": 1, "Query": 1, "Parse": 0, "Bind": 0}
+    assert after == before and before[3] == 0
+
+
 def test_trip__a_claim_is_one_simple_query_of_executes(
         conn: psycopg.Connection, dsn: str) -> None:
     """After the session's first trip (which prepares), a claim is one Query message: no
@@ -125,9 +156,9 @@ def test_trip__a_claim_is_one_simple_query_of_executes(
 
     async def main() -> tuple[Any, dict[str, int], str]:
         async with await aconnect(dsn, autocommit=True) as c:
-            assert await claim(c, limit=1, no_jit=False, **_claim_options(["none"])) == []
+            assert await claim(c, limit=1, via="prepared", **_claim_options(["none"])) == []
             return await _traced(c, lambda: claim(
-                c, limit=1, no_jit=False, touch=True, on_schedules=lambda *a: None,
+                c, limit=1, via="prepared", touch=True, on_schedules=lambda *a: None,
                 on_skipped=lambda skipped: None, **_claim_options(["noop"])))
 
     claimed, counts, text = asyncio.run(main())
@@ -146,7 +177,7 @@ def test_trip__a_refused_statement_commits_nothing(conn: psycopg.Connection, dsn
 
     async def main() -> psycopg.pq.TransactionStatus:
         async with await aconnect(dsn, autocommit=True) as c:
-            (run,) = await claim(c, limit=1, no_jit=False, **_claim_options(["noop"]))
+            (run,) = await claim(c, limit=1, via="prepared", **_claim_options(["noop"]))
             trip = Trip(c)
             await trip.execute(QUERIES["finish_runs"], finish_params(
                 [from_result(run.id, run.attempt, {"ok": 1}, max_bytes=1 << 20)]))
@@ -155,7 +186,7 @@ def test_trip__a_refused_statement_commits_nothing(conn: psycopg.Connection, dsn
             with pytest.raises(psycopg.DataError):
                 await trip.send()
             status = c.info.transaction_status
-            (again,) = await claim(c, limit=1, no_jit=False, **_claim_options(["noop"]))
+            (again,) = await claim(c, limit=1, via="prepared", **_claim_options(["noop"]))
             assert again.id == queued
             return status
 
@@ -203,11 +234,11 @@ def test_trip__a_refused_batch_is_split_and_its_refill_never_commits(
 
     async def main() -> tuple[list[str | None], list[ClaimedRun]]:
         async with await aconnect(dsn, autocommit=True) as c:
-            claimed = await claim(c, limit=6, no_jit=False, **_claim_options(["sleep"]))
+            claimed = await claim(c, limit=6, via="prepared", **_claim_options(["sleep"]))
         pool = await open_pool(dsn, size=1, name="test-trips")
         try:
             refill = _Refill()
-            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill, no_jit=False)
+            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill, via="prepared")
             submitted = [asyncio.create_task(writer.submit(from_result(
                 r.id, r.attempt, {"poison": True} if r.id == poisoned else {"ok": 1},
                 max_bytes=1 << 20))) for r in claimed]
@@ -235,10 +266,10 @@ def test_trip__a_session_that_lost_its_statements_prepares_them_again(
 
     async def main() -> tuple[list[uuid.UUID], int]:
         async with await aconnect(dsn, autocommit=True) as c:
-            got = [r.id for r in await claim(c, limit=1, no_jit=False,
+            got = [r.id for r in await claim(c, limit=1, via="prepared",
                                              **_claim_options(["noop"]))]
             await c.execute(lose)
-            got += [r.id for r in await claim(c, limit=1, no_jit=False,
+            got += [r.id for r in await claim(c, limit=1, via="prepared",
                                               **_claim_options(["noop"]))]
             prepared = await (await c.execute(OURS)).fetchone()
             assert prepared is not None
@@ -260,9 +291,9 @@ def test_trip__a_stateless_session_keeps_the_pipeline_and_prepares_nothing(
         try:
             async with pool.connection() as c:  # the pool's one connection, traced below
                 (run,), claiming, _ = await _traced(c, lambda: claim(
-                    c, limit=1, no_jit=True, **_claim_options(["noop"])))
+                    c, limit=1, via="pipeline", **_claim_options(["noop"])))
             writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=_Refill(),
-                                   no_jit=True)
+                                   via="pipeline")
             writing = asyncio.create_task(writer.run())
             try:
                 _, batch, _ = await _traced(c, lambda: asyncio.wait_for(writer.submit(
@@ -294,12 +325,12 @@ def test_trip__a_claim_cancelled_anywhere_strands_nothing_silently(
     async def main() -> tuple[object, bool, list[uuid.UUID]]:
         async with await aconnect(dsn, autocommit=True) as c:
             cancelled, got = await claim_cancelled_after(
-                c, delay_us, limit=5, no_jit=False, **_claim_options(["noop"]))
+                c, delay_us, limit=5, via="prepared", **_claim_options(["noop"]))
             status = c.info.transaction_status
             cur = await c.execute("SELECT 42")
             assert await cur.fetchone() == (42,)
             # And the session's trips still work (prepared, or prepared again).
-            await claim(c, limit=5, no_jit=False, **_claim_options(["none"]))
+            await claim(c, limit=5, via="prepared", **_claim_options(["none"]))
             return status, cancelled, got
 
     status, cancelled, got = asyncio.run(main())

@@ -45,7 +45,7 @@ def test_plan_ahead__the_first_claim_and_finish_use_the_plans_made_when_the_sess
                 # As the worker claims and finishes: its handlers, its lease, a trip each.
                 got = await claim(c, limit=10, worker_id=worker, lease_seconds=30.0,
                                   handlers=handlers, reap_expired=False, promote=False,
-                                  no_jit=False)
+                                  via="prepared")
                 outcomes = [Outcome(r.id, r.attempt, "succeeded", result=b'{"ok": 1}')
                             for r in got]
                 trip = Trip(c)

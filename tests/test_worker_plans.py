@@ -155,7 +155,7 @@ async def _claimed(conn: psycopg.AsyncConnection[Any], n: int) -> tuple[list[Cla
     while len(running) < n:
         more = await claim(conn, limit=min(n - len(running), 500), worker_id=worker,
                            lease_seconds=60, reap_expired=False, handlers=["noop"],
-                           no_jit=False)
+                           via="prepared")
         assert more, f"only {len(running)} of {n} runs to claim"
         running += more
     return running, worker

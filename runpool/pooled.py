@@ -1,0 +1,129 @@
+"""The hot statements as PL/pgSQL functions, for workers behind a transaction-mode pooler.
+
+Why: behind PgBouncer in transaction mode a worker prepares nothing (the server session is
+not its own, and PgBouncer before 1.21 does not carry prepared statements), so each of its hot
+statements was planned with its parameters on every call, and W1 through PgBouncer drained
+0.57x W1 direct. A PL/pgSQL function keeps its statements' plans in the server session,
+whichever client the pooler hands that session to, and leaves its callers no session state: a
+worker behind a pooler calls them (runpool.trips, Via "functions") and drains as fast as W1.
+
+`install` (run by `migrate`, in its transaction and under its lock) creates, for each hot
+statement, `runpool.hot_<name>_<digest>`: the statement's parameters in $n order, its result
+columns as the function's (described on the migrated schema), EXECUTE for runpool_worker
+only, SECURITY INVOKER (a caller still needs the statement's own privileges). Named after a
+digest of the statement and the schema's version, a function never changes: a fleet mixing
+versions calls what each version holds, and a migrate with nothing new creates nothing.
+A worker behind a pooler whose database lacks its functions (migrated with `migrate --sql`
+by an older script, say) says so and sends the statements themselves (Via "pipeline").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import ExecStatus
+from psycopg_pool import AsyncConnectionPool
+
+from .deadlines import bounded
+from .trips import HOT_STATEMENTS, HotStatement, Via
+
+__all__ = ["creations", "install", "missing", "via"]
+
+logger = logging.getLogger("runpool.pooled")
+
+# Which of the named functions schema runpool holds.
+PRESENT: Final = """
+SELECT p.proname::text FROM pg_proc p
+WHERE p.pronamespace = 'runpool'::regnamespace AND p.proname = ANY(%s)
+"""
+# The names of types, by OID, in order.
+TYPE_NAMES: Final = """
+SELECT format_type(u.t, NULL) FROM unnest(%s::oid[]) WITH ORDINALITY AS u(t, i) ORDER BY u.i
+"""
+# One hot function: its arguments' and result's types are names format_type printed, its
+# body a hot statement (static text shipped with runpool).
+CREATE: Final = sql.SQL(
+    "CREATE OR REPLACE FUNCTION runpool.{name}({args}) RETURNS {result}"
+    " LANGUAGE plpgsql VOLATILE AS {body};\n"
+    "REVOKE ALL ON FUNCTION runpool.{name}({args}) FROM PUBLIC;\n"
+    "GRANT EXECUTE ON FUNCTION runpool.{name}({args}) TO runpool_worker")
+# A hot statement with result columns. use_column: the result's columns are also the
+# function's variables, and a name in the statement means its column, as outside a function.
+RETURNING: Final = "#variable_conflict use_column\nBEGIN\nRETURN QUERY {}\n;\nEND"
+# One without (an UPDATE that returns nothing).
+PLAIN: Final = "BEGIN\n{}\n;\nEND"
+_VOID: Final = 2278  # pg_type's void: no column of a function's result may have it
+
+
+def missing(conn: psycopg.Connection[Any]) -> list[HotStatement]:
+    """The hot statements whose functions the database lacks."""
+    names = [h.function.decode() for h in HOT_STATEMENTS]
+    have = {name for (name,) in conn.execute(PRESENT, (names,))}
+    return [h for h in HOT_STATEMENTS if h.function.decode() not in have]
+
+
+def creations(conn: psycopg.Connection[Any]) -> list[sql.Composed]:
+    """The statements that create the missing functions (described on the schema as it is:
+    a migrated one)."""
+    return [_creation(conn, h) for h in missing(conn)]
+
+
+def install(conn: psycopg.Connection[Any]) -> int:
+    """Create the missing functions; returns how many."""
+    made = creations(conn)
+    for statement in made:
+        conn.execute(statement)
+    return len(made)
+
+
+def _creation(conn: psycopg.Connection[Any], hot: HotStatement) -> sql.Composed:
+    # The unnamed statement, described: nothing is left in the session.
+    pgconn = conn.pgconn
+    prepared = pgconn.prepare(b"", hot.sql.encode())
+    if prepared.status != ExecStatus.COMMAND_OK:
+        raise RuntimeError(f"hot statement {hot.name.decode()} does not prepare:"
+                           f" {(prepared.error_message or b'').decode(errors='replace')}")
+    shape = pgconn.describe_prepared(b"")
+    params = [shape.param_type(i) for i in range(shape.nparams)]
+    columns = [shape.ftype(i) for i in range(shape.nfields)]
+    if _VOID in columns:
+        raise RuntimeError(f"hot statement {hot.name.decode()} returns a void column:"
+                           " a function cannot (give it a type)")
+    types = [name for (name,) in conn.execute(TYPE_NAMES, (params + columns,))]
+    # Type names as the server printed them, composed as SQL text (they are not identifiers:
+    # `timestamp with time zone`, `uuid[]`).
+    args = sql.SQL(", ").join(sql.SQL(t) for t in types[:len(params)])
+    result: sql.Composable
+    if columns:
+        names = [(shape.fname(i) or b"").decode() for i in range(shape.nfields)]
+        result = sql.SQL("TABLE ({})").format(sql.SQL(", ").join(
+            sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(t))
+            for n, t in zip(names, types[len(params):], strict=True)))
+        body = RETURNING.format(hot.sql.strip().rstrip(";"))
+    else:
+        result = sql.SQL("void")
+        body = PLAIN.format(hot.sql.strip().rstrip(";"))
+    return CREATE.format(name=sql.Identifier(hot.function.decode()), args=args, result=result,
+                         body=sql.Literal(body))
+
+
+async def via(pool: AsyncConnectionPool, *, stateless: bool, log: dict[str, str]) -> Via:
+    """How a worker's hot statements travel on `pool`'s connections (`stateless`: through a
+    transaction-mode pooler; see runpool.trips.Via)."""
+    if not stateless:
+        return "prepared"
+    names = [h.function.decode() for h in HOT_STATEMENTS]
+    async with bounded(pool, 10) as conn:
+        cur = await conn.execute(PRESENT, (names,))
+        lacking = len(names) - len(await cur.fetchall())
+    if lacking:
+        logger.warning(
+            "the database lacks %d of this runpool's hot functions: behind the pooler each"
+            " claim and outcome batch is planned on every call (slower); run `python -m"
+            " runpool migrate` with this version to create them", lacking,
+            extra={"action": "hot_functions_missing", "missing": lacking, **log})
+        return "pipeline"
+    return "functions"

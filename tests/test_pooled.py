@@ -1,0 +1,58 @@
+"""The hot statements' functions (runpool.pooled), which a worker behind a transaction-mode
+pooler calls: what `migrate` makes and who may call it, and a worker whose database lacks
+them (it says so, and drains on the statements themselves)."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+import runpool
+from runpool import pooled
+from runpool.trips import HOT_STATEMENTS
+from tests.helpers import assert_invariants, running_pool, scalar, wait_for
+
+# runpool's hot functions and who may call them.
+FUNCTIONS = """
+SELECT p.proname::text, p.prosecdef, has_function_privilege('runpool_worker', p.oid, 'EXECUTE'),
+       has_function_privilege('runpool_api', p.oid, 'EXECUTE'),
+       has_function_privilege('public', p.oid, 'EXECUTE')
+FROM pg_proc p WHERE p.pronamespace = 'runpool'::regnamespace AND p.proname LIKE 'hot\\_%'
+"""
+# Each hot function's DROP statement.
+DROPS = """
+SELECT format('DROP FUNCTION runpool.%I(%s)', p.proname, pg_get_function_identity_arguments(p.oid))
+FROM pg_proc p WHERE p.pronamespace = 'runpool'::regnamespace AND p.proname LIKE 'hot\\_%'
+"""
+DONE = "SELECT count(*) FROM runpool.runs WHERE status = 'succeeded'"
+
+
+def test_migrate__makes_one_function_per_hot_statement_for_the_worker_role_only(
+        conn: psycopg.Connection) -> None:
+    rows = conn.execute(FUNCTIONS).fetchall()
+    assert sorted(r[0] for r in rows) == sorted(h.function.decode() for h in HOT_STATEMENTS)
+    # Invoker's rights (a caller needs the statement's own privileges), workers only.
+    assert {r[1:] for r in rows} == {(False, True, False, False)}
+    assert pooled.install(conn) == 0  # made once: a migrate with nothing new makes nothing
+    assert pooled.missing(conn) == []
+
+
+@pytest.mark.parametrize("functions", [True, False])
+def test_stateless_worker__drains_serial_keys_with_its_functions_or_without_them(
+        conn: psycopg.Connection, dsn: str, functions: bool) -> None:
+    """A worker whose connections may go through a pooler (a LISTEN DSN of its own: here the
+    same server, direct) calls the hot functions; without them it says so and drains all the
+    same on the statements themselves. Serial keys' runs take the outcome batch's every
+    statement (the deferred release, the keys' locks and release)."""
+    if not functions:
+        for (drop,) in conn.execute(DROPS).fetchall():
+            conn.execute(drop)
+    specs = [runpool.RunSpec(f"t{i % 3}", "noop", {"i": i}, serial_key=f"k{i % 4}")
+             for i in range(60)] + [runpool.RunSpec("t9", "noop", {"i": i}) for i in range(60)]
+    runpool.enqueue_many(conn, specs)
+    with running_pool(dsn, workers=1, concurrency=8, listen_dsn=dsn) as pool:
+        wait_for(lambda: scalar(conn, DONE) == len(specs), timeout=60, what="every run done")
+        log = pool.log()
+    assert ("hot_functions_missing" in log) is not functions
+    assert "worker_crashed" not in log
+    assert_invariants(conn)
