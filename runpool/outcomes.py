@@ -27,8 +27,9 @@ from .errors import (
     describe,
     type_name,
 )
+from .pooled import Route
 from .queries import QUERIES
-from .trips import Rows, Trip, Via
+from .trips import FunctionsUnusable, Rows, Trip, Via
 
 __all__ = ["Outcome", "OutcomeWriter", "Refill", "error_doc", "finish_params", "from_exception",
            "from_result", "retry_after"]
@@ -206,11 +207,12 @@ class OutcomeWriter:
     """
 
     def __init__(self, pool: AsyncConnectionPool, *, worker_id: uuid.UUID,
-                 refill: Refill | None = None, via: Via = "pipeline") -> None:
+                 refill: Refill | None = None, via: Via | Route = "pipeline") -> None:
         self._pool = pool
         # How a batch's statements travel (runpool.trips.Via; claiming.claim says what each
-        # needs): with "prepared" or "functions", a batch is one simple query.
-        self._via: Via = via
+        # needs): with "prepared" or "functions", a batch is one simple query. A worker's
+        # Route, shared with its claims, may fall back from "functions" to "pipeline".
+        self._route = via if isinstance(via, Route) else Route(via)
         self._worker_id = worker_id
         self._refill = refill
         self._queue: asyncio.Queue[Pending] = asyncio.Queue()
@@ -248,7 +250,11 @@ class OutcomeWriter:
             # The leases expire and the runs are reclaimed elsewhere: the safe outcome.
             self._settle(batch, {})
         except Exception as exc:
-            if len(batch) > 1:
+            if refill:
+                # The refill's claim may be what the database refused: the outcomes alone
+                # first, so no outcome is blamed for it.
+                await self._write(batch, refill=False)
+            elif len(batch) > 1:
                 half = len(batch) // 2
                 await self._write(batch[:half], refill=False)
                 await self._write(batch[half:], refill=False)
@@ -292,6 +298,7 @@ class OutcomeWriter:
         """Write a batch, trying again while the failure is transient; the runs' new statuses.
         Raises Unreachable when the database stayed away, or the refusal of the batch."""
         delay = 0.05
+        last: Exception | None = None
         for attempt in range(8):
             # Refill only on the first try: a failing claim must not hold outcomes back. An
             # outcome frees its slot for a refill once, on its first write: one answered 'busy'
@@ -303,6 +310,11 @@ class OutcomeWriter:
                 else 0
             try:
                 return await self._statement(batch, room)
+            except FunctionsUnusable as exc:
+                # Rolled back whole: the next try goes the pipeline's way (without a refill).
+                self._route.fall_back(exc)
+                last = exc
+                continue
             except Exception as exc:
                 if not transient(exc):
                     raise
@@ -321,6 +333,7 @@ class OutcomeWriter:
                 await conn.execute(PROBE)
         except Exception:
             raise Unreachable from last
+        assert last is not None  # every try failed
         raise last
 
     async def _statement(self, batch: list[Pending], room: int) -> dict[uuid.UUID, str]:
@@ -332,10 +345,11 @@ class OutcomeWriter:
         sent = time.monotonic()
         async with bounded(self._pool, 10) as conn:
             faults.hit("outcome.committing", conn)
-            if self._via != "pipeline":
+            via = self._route.via
+            if via != "pipeline":
                 # The finishes, the keys' release and the claim in one simple query, its one
                 # implicit transaction; nothing is sent before send().
-                trip = Trip(conn, functions=self._via == "functions")
+                trip = Trip(conn, functions=via == "functions")
                 finished, pending = await self._batch_statements(trip, params, serial, room)
                 await trip.send()
             elif room > 0:

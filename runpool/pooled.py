@@ -28,16 +28,17 @@ from psycopg.pq import ExecStatus
 from psycopg_pool import AsyncConnectionPool
 
 from .deadlines import bounded
-from .trips import HOT_STATEMENTS, HotStatement, Via
+from .trips import HOT_STATEMENTS, FunctionsUnusable, HotStatement, Via
 
-__all__ = ["creations", "install", "missing", "via"]
+__all__ = ["Route", "creations", "install", "missing", "route"]
 
 logger = logging.getLogger("runpool.pooled")
 
-# Which of the named functions schema runpool holds.
+# Which of the named functions schema runpool holds for this role to call.
 PRESENT: Final = """
 SELECT p.proname::text FROM pg_proc p
 WHERE p.pronamespace = 'runpool'::regnamespace AND p.proname = ANY(%s)
+  AND has_function_privilege(p.oid, 'EXECUTE')
 """
 # The names of types, by OID, in order.
 TYPE_NAMES: Final = """
@@ -110,20 +111,44 @@ def _creation(conn: psycopg.Connection[Any], hot: HotStatement) -> sql.Composed:
                          body=sql.Literal(body))
 
 
-async def via(pool: AsyncConnectionPool, *, stateless: bool, log: dict[str, str]) -> Via:
+class Route:
+    """How a worker's hot statements travel (runpool.trips.Via), shared by its claims and its
+    outcome batches. "functions" turns into "pipeline" for good, in this process, once a trip
+    fails as only missing, stale or forbidden functions fail (FunctionsUnusable): dropped by
+    hand, or made for a schema a migration has changed since. The failed trip rolled back
+    whole, and its caller sends the same work again the pipeline's way."""
+
+    __slots__ = ("_log", "via")
+
+    def __init__(self, via: Via, log: dict[str, str] | None = None) -> None:
+        self.via: Via = via
+        self._log = log or {}
+
+    def fall_back(self, exc: FunctionsUnusable) -> None:
+        if self.via != "functions":
+            return
+        self.via = "pipeline"
+        logger.error(
+            "%s: this worker sends its statements themselves from now on (planned on every"
+            " call, slower); run `python -m runpool migrate` with this version and restart"
+            " it", exc, extra={"action": "hot_functions_unusable", **self._log})
+
+
+async def route(pool: AsyncConnectionPool, *, stateless: bool, log: dict[str, str]) -> Route:
     """How a worker's hot statements travel on `pool`'s connections (`stateless`: through a
-    transaction-mode pooler; see runpool.trips.Via)."""
+    transaction-mode pooler): decided as the worker starts (restart it after a migrate)."""
     if not stateless:
-        return "prepared"
+        return Route("prepared", log)
     names = [h.function.decode() for h in HOT_STATEMENTS]
     async with bounded(pool, 10) as conn:
         cur = await conn.execute(PRESENT, (names,))
         lacking = len(names) - len(await cur.fetchall())
     if lacking:
         logger.warning(
-            "the database lacks %d of this runpool's hot functions: behind the pooler each"
-            " claim and outcome batch is planned on every call (slower); run `python -m"
-            " runpool migrate` with this version to create them", lacking,
+            "the database lacks %d of this runpool's hot functions (or this role may not"
+            " execute them): behind the pooler each claim and outcome batch is planned on"
+            " every call (slower); run `python -m runpool migrate` with this version, then"
+            " restart the pool", lacking,
             extra={"action": "hot_functions_missing", "missing": lacking, **log})
-        return "pipeline"
-    return "functions"
+        return Route("pipeline", log)
+    return Route("functions", log)

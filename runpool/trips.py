@@ -38,8 +38,8 @@ from checkpoints.batch_sql import BATCH_FINISH, BATCH_INTENT, BATCH_MESSAGE
 from .migration_files import latest_version
 from .queries import QUERIES
 
-__all__ = ["BATCHES", "HOT", "HOT_STATEMENTS", "Answer", "HotStatement", "JsonText", "Rows",
-           "Trip", "Via", "prepared_sql"]
+__all__ = ["BATCHES", "HOT", "HOT_STATEMENTS", "Answer", "FunctionsUnusable", "HotStatement",
+           "JsonText", "Rows", "Trip", "Via", "prepared_sql"]
 
 # The statements a trip runs prepared: the outcome batch's and the claim's.
 HOT: Final = ("finish_runs", "defer_serial_release", "lock_ended_serial_keys",
@@ -131,14 +131,21 @@ _BATCHES: Final[dict[str, HotStatement]] = {
 _BY_TEXT: Final[dict[str, HotStatement]] = {**_HOT, **_BATCHES}
 _TUPLES_OK: Final = psycopg.pq.ExecStatus.TUPLES_OK
 _LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)"
-# A functions trip's first statement: for its transaction only, what a worker session pins
-# for itself (db.WORKER_SESSION) and the hot functions' plans rely on: JIT off (a claim's
-# estimate past jit_above_cost compiled its plan on every call), the generic plan made once
-# per server session (its plan for an empty queue, enable_seqscan off, stays good for a
-# deep one).
+# A functions trip's first statements: for its transaction only, what a worker session pins
+# for itself (db.WORKER_SESSION) and the hot statements rely on. Read committed first (the
+# server session is the pooler's, and any client of it may have SET another default since
+# db.check_stateless looked); JIT off (a claim's estimate past jit_above_cost compiled its
+# plan on every call); the generic plan, made once per server session (its plan for an
+# empty queue, enable_seqscan off, stays good for a deep one).
 _FUNCTIONS_SETTINGS: Final = (
+    b"SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
     b"SELECT set_config('jit', 'off', true), set_config('plan_cache_mode', 'force_generic_plan',"
     b" true), set_config('enable_seqscan', 'off', true)")
+# What a functions trip fails with when the functions are not this runpool's to call: gone
+# (dropped), made for another schema (a migration changed a column's type since), or not
+# the worker's to execute (see FunctionsUnusable).
+_UNUSABLE: Final = (pg_errors.UndefinedFunction, pg_errors.DatatypeMismatch,
+                    pg_errors.InsufficientPrivilege)
 
 # Sessions that prepared the statements. Weak: a connection the pool dropped takes its entry
 # with it, and a new one (after a restart, say) prepares again.
@@ -148,6 +155,16 @@ _sessions: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 _ENCODING: Final = "utf-8"
 # Sessions that prepared the batch statements too.
 _batch_sessions: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+
+
+class FunctionsUnusable(Exception):
+    """A functions trip failed as only missing, stale or forbidden functions fail; its
+    implicit transaction rolled back whole (runpool.pooled.Route falls back for good)."""
+
+    def __init__(self, cause: psycopg.Error) -> None:
+        super().__init__(f"the hot functions cannot serve this runpool: {cause.sqlstate}"
+                         f" {cause.diag.message_primary}")
+        self.cause = cause
 
 
 class Answer:
@@ -191,8 +208,9 @@ class Trip:
         self._batches = False
         self._functions = functions
         if functions:
-            self._parts.append(_FUNCTIONS_SETTINGS)
-            self._answers.append(Answer())
+            for setting in _FUNCTIONS_SETTINGS:
+                self._parts.append(setting)
+                self._answers.append(Answer())
 
     async def execute(self, query: LiteralString, params: Mapping[str, Any] | None = None
                       ) -> Answer:
@@ -253,7 +271,10 @@ class Trip:
             return
         conn = self.connection
         if self._functions:
-            await self._send(b";\n".join(self._parts))
+            try:
+                await self._send(b";\n".join(self._parts))
+            except _UNUSABLE as exc:
+                raise FunctionsUnusable(exc) from exc
             return
         if conn not in _sessions:
             await _prepare(conn, _HOT)

@@ -46,7 +46,7 @@ from .scheduler import Scheduler, upsert_schedules
 from .settings import Settings
 from .slot import Slot, Slots
 from .tasks import cancel_all
-from .trips import Via
+from .trips import FunctionsUnusable
 from .wakeups import Wakeups
 from .warmup import plan_ahead
 
@@ -91,8 +91,8 @@ class Worker:
         # Bound on one claim transaction (normally milliseconds): a silent server must not
         # stall the loop for longer than a fraction of a lease.
         self._db_timeout = max(2.0, min(10.0, settings.lease_seconds / 3))
-        # How the claims' and outcome batches' statements travel (runpool.pooled.via).
-        self._via: Via = "pipeline"
+        # How the claims' and outcome batches' statements travel (runpool.pooled.route).
+        self._route = pooled.Route("pipeline")
         self.cancels = Canceller(lookup=self.slots.get, slots=lambda: self.slots,
                                  pool=lambda: self._pool, on_cancel=self._cancel)
         self._side_failure: BaseException | None = None
@@ -130,14 +130,14 @@ class Worker:
                                       lease_seconds=s.lease_seconds, handlers=self.app.names))
         side: list[asyncio.Task[None]] = []
         try:
-            self._via = await pooled.via(self._pool, stateless=s.stateless, log=self._log)
+            self._route = await pooled.route(self._pool, stateless=s.stateless, log=self._log)
             await self._register()
             # The app's schedules are in the database before the pool says it is ready.
             await upsert_schedules(self._pool, self.app, self._log)
             self.scheduler = Scheduler(self._pool, catch_up_max=s.schedule_catchup_max,
                                        poll_seconds=s.poll_seconds, worker_id=self.id)
             self._stop = stop
-            writer = OutcomeWriter(self._pool, worker_id=self.id, refill=self, via=self._via)
+            writer = OutcomeWriter(self._pool, worker_id=self.id, refill=self, via=self._route)
             progress = Publisher(self._pool, log=self._log)
             self._runner = SlotRunner(
                 settings=s, app=self.app, pool=self._pool, outcomes=writer, slots=self.slots,
@@ -337,8 +337,13 @@ class Worker:
         self._reserved += limit
         try:
             async with bounded(self._pool, self._db_timeout) as conn:
-                claimed = await claim(conn, limit=limit, via=self._via,
-                                      **self._claim_options(refill=False))
+                try:
+                    claimed = await claim(conn, limit=limit, via=self._route.via,
+                                          **self._claim_options(refill=False))
+                except FunctionsUnusable as exc:
+                    self._route.fall_back(exc)  # rolled back whole: claim the other way
+                    claimed = await claim(conn, limit=limit, via=self._route.via,
+                                          **self._claim_options(refill=False))
         finally:
             self._reserved -= limit
         took = time.monotonic() - sent

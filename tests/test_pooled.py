@@ -56,3 +56,28 @@ def test_stateless_worker__drains_serial_keys_with_its_functions_or_without_them
     assert ("hot_functions_missing" in log) is not functions
     assert "worker_crashed" not in log
     assert_invariants(conn)
+
+
+@pytest.mark.parametrize("dropped", ["finish_runs", "claim_runs"])
+def test_stateless_worker__falls_back_for_good_when_a_function_goes_missing_mid_run(
+        conn: psycopg.Connection, dsn: str, dropped: str) -> None:
+    """A hot function dropped while the worker calls it (by hand, or a migration that changed
+    its columns' types): the failed trip rolled back whole and goes again the pipeline's way.
+    No worker crash, no outcome refused, no run executed twice."""
+    first = runpool.enqueue_many(conn, [runpool.RunSpec("t", "noop", {"i": i})
+                                        for i in range(20)])
+    with running_pool(dsn, workers=1, concurrency=4, listen_dsn=dsn) as pool:
+        wait_for(lambda: scalar(conn, DONE) == len(first), timeout=60, what="the first runs")
+        (name,) = [h.function.decode() for h in HOT_STATEMENTS
+                   if h.name == f"runpool_{dropped}".encode()]
+        for (drop,) in conn.execute(DROPS).fetchall():
+            if name in drop:
+                conn.execute(drop)
+        runpool.enqueue_many(conn, [runpool.RunSpec("t", "noop", {"i": i}, serial_key="k")
+                                    for i in range(20)])
+        wait_for(lambda: scalar(conn, DONE) == 40, timeout=60, what="the runs after the drop")
+        log = pool.log()
+    assert "hot_functions_unusable" in log
+    assert "worker_crashed" not in log and "outcome_rejected" not in log
+    assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE attempt > 1") == 0
+    assert_invariants(conn)

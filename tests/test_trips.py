@@ -131,11 +131,13 @@ def test_functions_trip__a_claim_is_one_query_and_leaves_the_session_as_it_was(
         conn: psycopg.Connection, dsn: str) -> None:
     """Behind a pooler a claim calls the hot functions: one Query message, no Parse, one round
     trip, and the server session (the pooler's, next lent to anyone) keeps none of its
-    settings and no prepared statement."""
+    settings and no prepared statement. It runs read committed whatever default another
+    client of that session SET (the serial keys' heal, in the reap, refuses anything else)."""
     run_id = runpool.enqueue(conn, "acme", "noop")
 
     async def main() -> tuple[Any, dict[str, int], Any, Any]:
         async with await aconnect(dsn, autocommit=True) as c:
+            await c.execute("SET default_transaction_isolation = 'repeatable read'")
             before = await (await c.execute(SESSION)).fetchone()
             claimed, counts, _ = await _traced(c, lambda: claim(
                 c, limit=1, via="functions", touch=True, on_schedules=lambda *a: None,
