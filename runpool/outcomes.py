@@ -250,11 +250,7 @@ class OutcomeWriter:
             # The leases expire and the runs are reclaimed elsewhere: the safe outcome.
             self._settle(batch, {})
         except Exception as exc:
-            if refill:
-                # The refill's claim may be what the database refused: the outcomes alone
-                # first, so no outcome is blamed for it.
-                await self._write(batch, refill=False)
-            elif len(batch) > 1:
+            if len(batch) > 1:
                 half = len(batch) // 2
                 await self._write(batch[:half], refill=False)
                 await self._write(batch[half:], refill=False)
@@ -317,6 +313,11 @@ class OutcomeWriter:
                 continue
             except Exception as exc:
                 if not transient(exc):
+                    if room > 0:
+                        # The refill's claim may be what the database refused: once more
+                        # without it (the next try's room is 0) before an outcome is blamed.
+                        last = exc
+                        continue
                     raise
                 logger.warning(
                     "writing %d outcomes failed (try %d): %r", len(batch), attempt + 1, exc,

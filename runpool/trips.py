@@ -138,14 +138,17 @@ _LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s
 # plan on every call); the generic plan, made once per server session (its plan for an
 # empty queue, enable_seqscan off, stays good for a deep one).
 _FUNCTIONS_SETTINGS: Final = (
-    b"SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
+    b"SET TRANSACTION ISOLATION LEVEL READ COMMITTED, READ WRITE",
     b"SELECT set_config('jit', 'off', true), set_config('plan_cache_mode', 'force_generic_plan',"
     b" true), set_config('enable_seqscan', 'off', true)")
 # What a functions trip fails with when the functions are not this runpool's to call: gone
 # (dropped), made for another schema (a migration changed a column's type since), or not
-# the worker's to execute (see FunctionsUnusable).
+# the worker's to execute (see FunctionsUnusable); _about_functions tells it from the same
+# SQLSTATE raised by anything else in the trip.
 _UNUSABLE: Final = (pg_errors.UndefinedFunction, pg_errors.DatatypeMismatch,
                     pg_errors.InsufficientPrivilege)
+# RETURN QUERY's words for a result whose columns no longer match the function's.
+_STALE: Final = "structure of query does not match function result type"
 
 # Sessions that prepared the statements. Weak: a connection the pool dropped takes its entry
 # with it, and a new one (after a restart, say) prepares again.
@@ -274,6 +277,8 @@ class Trip:
             try:
                 await self._send(b";\n".join(self._parts))
             except _UNUSABLE as exc:
+                if not _about_functions(exc):
+                    raise
                 raise FunctionsUnusable(exc) from exc
             return
         if conn not in _sessions:
@@ -315,6 +320,16 @@ class Trip:
             if (cur.nextset() is None) != (i == last):
                 raise psycopg.ProgrammingError(
                     "a trip's statement answered more or fewer than one result")
+
+
+def _about_functions(exc: psycopg.Error) -> bool:
+    """Whether the error is about a hot function itself: one missing or not ours to execute
+    (the message names it), or one whose result no longer matches (RETURN QUERY's error, in
+    its body)."""
+    message, context = exc.diag.message_primary or "", exc.diag.context or ""
+    if isinstance(exc, pg_errors.DatatypeMismatch):
+        return message == _STALE and "runpool.hot_" in context
+    return "hot_" in message
 
 
 # Types whose str() is their input text, and those sent as arrays (tuples named once: an

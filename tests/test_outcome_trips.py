@@ -150,6 +150,28 @@ def test_outcome_batch__a_failing_refill_does_not_hold_the_outcomes_back(
     assert _statuses(conn, first, second) == {first: "succeeded", second: "queued"}
 
 
+class _RefusedRefill(_Refill):
+    """A refill whose claim the database refuses for good (22012, not transient)."""
+
+    async def statements(self, conn: Statements, limit: int) -> PendingClaim:
+        await conn.execute("SELECT 1 / 0")
+        return await super().statements(conn, limit)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_outcome_batch__a_refill_refused_for_good_is_not_blamed_on_the_outcome(
+        conn: psycopg.Connection, dsn: str, pinned: bool) -> None:
+    """Rolled back whole, the batch goes again without its refill before any outcome is
+    blamed: the run succeeded (an attack saw it recorded failed, outcome_rejected)."""
+    first = runpool.enqueue(conn, "acme", "noop")
+    second = runpool.enqueue(conn, "acme", "noop")
+    refill = _RefusedRefill()
+    status, _, _, _ = asyncio.run(_finish_traced(dsn, refill, pinned=pinned))
+    assert status == "succeeded"
+    assert (refill.handed, refill.committed) == ([], [])
+    assert _statuses(conn, first, second) == {first: "succeeded", second: "queued"}
+
+
 def test_outcome_batch__a_worker_sessions_batch_is_one_simple_query(
         conn: psycopg.Connection, dsn: str) -> None:
     """A worker session pins read committed: the batch is one simple query's implicit

@@ -4,12 +4,17 @@ them (it says so, and drains on the statements themselves)."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+
 import psycopg
 import pytest
 
 import runpool
 from runpool import pooled
-from runpool.trips import HOT_STATEMENTS
+from runpool.claiming import claim
+from runpool.db import aconnect
+from runpool.trips import HOT_STATEMENTS, FunctionsUnusable, Trip
 from tests.helpers import assert_invariants, running_pool, scalar, wait_for
 
 # runpool's hot functions and who may call them.
@@ -81,3 +86,28 @@ def test_stateless_worker__falls_back_for_good_when_a_function_goes_missing_mid_
     assert "worker_crashed" not in log and "outcome_rejected" not in log
     assert scalar(conn, "SELECT count(*) FROM runpool.runs WHERE attempt > 1") == 0
     assert_invariants(conn)
+
+
+def test_functions_trip__a_function_stale_after_a_migration_says_so_and_other_errors_do_not(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """A migration that changed a column a hot function returns (its result declared before)
+    makes that function unusable: FunctionsUnusable, which the worker's Route falls back on.
+    The same SQLSTATE from anything else in a trip is the statement's own refusal."""
+    runpool.enqueue(conn, "acme", "noop")
+    conn.execute("ALTER TABLE runpool.runs ALTER COLUMN max_attempts TYPE bigint")
+
+    async def main() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            with pytest.raises(FunctionsUnusable, match="42804"):
+                await claim(c, limit=1, via="functions", worker_id=uuid.uuid4(),
+                            lease_seconds=30, handlers=["noop"])
+            trip = Trip(c, functions=True)
+            await trip.execute("SELECT runpool.no_such_function()")
+            with pytest.raises(psycopg.errors.UndefinedFunction):
+                await trip.send()
+            # The pipeline's way the statements are planned on today's schema.
+            (run,) = await claim(c, limit=1, via="pipeline", worker_id=uuid.uuid4(),
+                                 lease_seconds=30, handlers=["noop"])
+            assert run.max_attempts == 3
+
+    asyncio.run(main())
