@@ -68,8 +68,10 @@ def missing(conn: psycopg.Connection[Any]) -> list[HotStatement]:
 
 def creations(conn: psycopg.Connection[Any]) -> list[sql.Composed]:
     """The statements that create the missing functions (described on the schema as it is:
-    a migrated one)."""
-    return [_creation(conn, h) for h in missing(conn)]
+    a migrated one). In a transaction (a savepoint in migrate's): through a transaction-mode
+    pooler the describe must reach the server session that parsed the statement."""
+    with conn.transaction():
+        return [_creation(conn, h) for h in missing(conn)]
 
 
 def install(conn: psycopg.Connection[Any]) -> int:
@@ -93,7 +95,8 @@ def _creation(conn: psycopg.Connection[Any], hot: HotStatement) -> sql.Composed:
     if _VOID in columns:
         raise RuntimeError(f"hot statement {hot.name.decode()} returns a void column:"
                            " a function cannot (give it a type)")
-    types = [name for (name,) in conn.execute(TYPE_NAMES, (params + columns,))]
+    # Never prepared by psycopg: behind a pooler, its name could exist on the server session.
+    types = [name for (name,) in conn.execute(TYPE_NAMES, (params + columns,), prepare=False)]
     # Type names as the server printed them, composed as SQL text (they are not identifiers:
     # `timestamp with time zone`, `uuid[]`).
     args = sql.SQL(", ").join(sql.SQL(t) for t in types[:len(params)])

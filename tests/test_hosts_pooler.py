@@ -18,9 +18,11 @@ import psycopg
 import pytest
 
 import runpool
+from runpool import pooled
 from runpool.db import CHECK_NAME, connect
 from runpool.listener import LISTEN_NAME
 from runpool.testing import database_name
+from runpool.trips import HOT
 from tests.apps import app as test_app
 from tests.helpers import ROOT, assert_invariants, pool_env, running_pool, wait_for
 from tests.pgbouncer import Bouncer, pgbouncer
@@ -41,6 +43,12 @@ SELECT count(*) FILTER (WHERE application_name NOT LIKE %(listen)s
        count(*) FILTER (WHERE application_name LIKE %(listen)s),
        count(*) FILTER (WHERE application_name LIKE %(check)s)
 FROM pg_stat_activity WHERE datname = %(db)s AND pid <> pg_backend_pid()
+"""
+
+# Each hot function's DROP statement.
+DROP_HOT = """
+SELECT format('DROP FUNCTION runpool.%I(%s)', p.proname, pg_get_function_identity_arguments(p.oid))
+FROM pg_proc p WHERE p.pronamespace = 'runpool'::regnamespace AND p.proname LIKE 'hot\\_%'
 """
 
 
@@ -234,3 +242,29 @@ def test_settings__host_connections_are_shared_evenly_across_workers() -> None:
     # Each worker: 9 pooled + 1 heartbeat; 4 of them: the host's 40.
     assert s.connections == 9
     assert s.workers * (s.connections + 1) == 40
+
+
+def test_pooler__migrate_and_migrate_sql_make_the_hot_functions_through_pgbouncer(
+        empty_dsn: str, bouncer: Bouncer) -> None:
+    """The functions are described on the server session that parsed each statement: in a
+    transaction, which the pooler keeps on one server session. (As every command behind a
+    pooler, with the LISTEN DSN set: its connections keep no session state.)"""
+    env = pool_env(bouncer.dsn(empty_dsn), listen_dsn=empty_dsn)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "runpool", *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    migrated = cli("migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    with connect(empty_dsn, autocommit=True) as conn:
+        assert pooled.missing(conn) == []
+        for (drop,) in conn.execute(DROP_HOT).fetchall():
+            conn.execute(drop)
+    script = cli("migrate", "--sql")
+    assert script.returncode == 0, script.stderr
+    assert script.stdout.count("CREATE OR REPLACE FUNCTION runpool.\"hot_") == len(HOT)
+    again = cli("migrate")
+    assert again.returncode == 0, again.stderr
+    with connect(empty_dsn, autocommit=True) as conn:
+        assert pooled.missing(conn) == []
