@@ -19,6 +19,7 @@ by an older script, say) says so and sends the statements themselves (Via "pipel
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Final
 
@@ -121,11 +122,34 @@ class Route:
     hand, or made for a schema a migration has changed since. The failed trip rolled back
     whole, and its caller sends the same work again the pipeline's way."""
 
-    __slots__ = ("_log", "via")
+    __slots__ = ("_log", "lacking", "via")
 
-    def __init__(self, via: Via, log: dict[str, str] | None = None) -> None:
+    def __init__(self, via: Via, log: dict[str, str] | None = None, *,
+                 lacking: bool = False) -> None:
         self.via: Via = via
         self._log = log or {}
+        # Behind a pooler, the functions were missing as the worker started: watch() turns
+        # it to them once a migrate has made them.
+        self.lacking = lacking
+
+    async def watch(self, pool: AsyncConnectionPool, every: float) -> None:
+        """While the functions are missing, look again every `every` seconds (a worker
+        deployed before its `migrate`, a release whose hot statements changed without a
+        migration); once they are all there, call them. Never raises: a failed look is
+        tried again at the next."""
+        while self.lacking:
+            await asyncio.sleep(every)
+            try:
+                lacking = await _lacking(pool)
+            except Exception as exc:
+                logger.warning("looking for the hot functions failed: %r", exc,
+                               extra={"action": "hot_functions_look_failed", **self._log})
+                continue
+            if not lacking:
+                self.lacking = False
+                self.via = "functions"
+                logger.info("the hot functions are there now: this worker calls them",
+                            extra={"action": "hot_functions_found", **self._log})
 
     def fall_back(self, exc: FunctionsUnusable) -> None:
         if self.via != "functions":
@@ -139,19 +163,24 @@ class Route:
 
 async def route(pool: AsyncConnectionPool, *, stateless: bool, log: dict[str, str]) -> Route:
     """How a worker's hot statements travel on `pool`'s connections (`stateless`: through a
-    transaction-mode pooler): decided as the worker starts (restart it after a migrate)."""
+    transaction-mode pooler); without the functions, Route.watch waits for them."""
     if not stateless:
         return Route("prepared", log)
-    names = [h.function.decode() for h in HOT_STATEMENTS]
-    async with bounded(pool, 10) as conn:
-        cur = await conn.execute(PRESENT, (names,))
-        lacking = len(names) - len(await cur.fetchall())
+    lacking = await _lacking(pool)
     if lacking:
         logger.warning(
             "the database lacks %d of this runpool's hot functions (or this role may not"
             " execute them): behind the pooler each claim and outcome batch is planned on"
-            " every call (slower); run `python -m runpool migrate` with this version, then"
-            " restart the pool", lacking,
-            extra={"action": "hot_functions_missing", "missing": lacking, **log})
-        return Route("pipeline", log)
+            " every call (slower) until `python -m runpool migrate` with this version makes"
+            " them", lacking, extra={"action": "hot_functions_missing", "missing": lacking,
+                                     **log})
+        return Route("pipeline", log, lacking=True)
     return Route("functions", log)
+
+
+async def _lacking(pool: AsyncConnectionPool) -> int:
+    """How many of this runpool's hot functions this role cannot call."""
+    names = [h.function.decode() for h in HOT_STATEMENTS]
+    async with bounded(pool, 10) as conn:
+        cur = await conn.execute(PRESENT, (names,))
+        return len(names) - len(await cur.fetchall())

@@ -152,6 +152,9 @@ class Worker:
             side.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
             side.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             side.append(asyncio.create_task(self._lease_watchdog(), name="lease-watchdog"))
+            if self._route.lacking:
+                side.append(asyncio.create_task(
+                    self._route.watch(self._pool, s.poll_seconds), name="hot-functions"))
             if s.alert_webhook:
                 sender = AlertSender(self._pool, s.alert_webhook, log=self._log)
                 side.append(asyncio.create_task(sender.run(), name="alerts"))

@@ -47,19 +47,28 @@ def test_stateless_worker__drains_serial_keys_with_its_functions_or_without_them
         conn: psycopg.Connection, dsn: str, functions: bool) -> None:
     """A worker whose connections may go through a pooler (a LISTEN DSN of its own: here the
     same server, direct) calls the hot functions; without them it says so and drains all the
-    same on the statements themselves. Serial keys' runs take the outcome batch's every
-    statement (the deferred release, the keys' locks and release)."""
+    same on the statements themselves, and calls them once a migrate made them (it looks at
+    the poll's cadence). Serial keys' runs take the outcome batch's every statement (the
+    deferred release, the keys' locks and release)."""
     if not functions:
         for (drop,) in conn.execute(DROPS).fetchall():
             conn.execute(drop)
     specs = [runpool.RunSpec(f"t{i % 3}", "noop", {"i": i}, serial_key=f"k{i % 4}")
              for i in range(60)] + [runpool.RunSpec("t9", "noop", {"i": i}) for i in range(60)]
     runpool.enqueue_many(conn, specs)
-    with running_pool(dsn, workers=1, concurrency=8, listen_dsn=dsn) as pool:
+    with running_pool(dsn, workers=1, concurrency=8, listen_dsn=dsn, poll_seconds=1) as pool:
         wait_for(lambda: scalar(conn, DONE) == len(specs), timeout=60, what="every run done")
+        if not functions:
+            assert "hot_functions_found" not in pool.log()
+            assert pooled.install(conn) == len(HOT_STATEMENTS)  # what `migrate` does
+            wait_for(lambda: "hot_functions_found" in pool.log(), timeout=30,
+                     what="the worker finding the functions")
+            runpool.enqueue_many(conn, specs)
+            wait_for(lambda: scalar(conn, DONE) == 2 * len(specs), timeout=60,
+                     what="the runs after the migrate")
         log = pool.log()
     assert ("hot_functions_missing" in log) is not functions
-    assert "worker_crashed" not in log
+    assert "worker_crashed" not in log and "hot_functions_unusable" not in log
     assert_invariants(conn)
 
 
