@@ -14,7 +14,8 @@ only, SECURITY INVOKER (a caller still needs the statement's own privileges). Na
 digest of the statement and the schema's version, a function never changes: a fleet mixing
 versions calls what each version holds, and a migrate with nothing new creates nothing.
 A worker behind a pooler whose database lacks its functions (migrated with `migrate --sql`
-by an older script, say) says so and sends the statements themselves (Via "pipeline").
+by an older script, say) says so and sends the statements themselves (Via "pipeline") until
+they are there (Route.watch); one whose functions stop serving it falls back for good.
 """
 
 from __future__ import annotations
