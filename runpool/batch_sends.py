@@ -13,7 +13,7 @@ from typing import Any, Final, Protocol
 import psycopg
 
 from .db import one_trip
-from .trips import Rows, Trip
+from .trips import Rows, Trip, Via
 
 __all__ = ["MAX_BATCH_BYTES", "MAX_SKIPS", "SKIP_PAUSE", "TRIP_MAX_BYTES", "Op", "Statement",
            "Write", "answer", "answers", "fits_trip", "kinds", "send", "send_all"]
@@ -126,16 +126,16 @@ def fits_trip(batch: list[Write]) -> bool:
 
 
 async def send_all(conn: psycopg.AsyncConnection[Any], batch: list[list[tuple[Write, Statement]]],
-                   *, trip: bool) -> list[Rows]:
+                   *, via: Via) -> list[Rows]:
     """Send the kinds of a batch (kinds()) in one round trip, as one transaction, their
-    answers unread. `trip`: the session is a worker session (db.WORKER_SESSION, not behind a
-    transaction-mode pooler), and they go as one simple query of the statements it prepared
-    (runpool.trips), whose implicit transaction an error rolls back whole: psycopg's pipeline
-    costs ~35-55 us of client CPU a statement, and a W11 worker spent ~0.76 ms of CPU a
-    commit. Else a lone statement in autocommit, several with BEGIN and COMMIT behind one
-    Sync (db.one_trip)."""
-    if trip:
-        statements = Trip(conn)
+    answers unread. `via` (runpool.trips.Via) "prepared", on a worker session, or "functions",
+    behind a pooler: they go as one simple query of the statements the session prepared, or
+    of calls to their functions (runpool.trips), whose implicit transaction an error rolls
+    back whole: psycopg's pipeline costs ~35-55 us of client CPU a statement, and a W11
+    worker spent ~0.76 ms of CPU a commit. "pipeline": a lone statement in autocommit,
+    several with BEGIN and COMMIT behind one Sync (db.one_trip)."""
+    if via != "pipeline":
+        statements = Trip(conn, functions=via == "functions")
         sent = [await send(statements, kind) for kind in batch]
         await statements.send()
         return sent

@@ -88,7 +88,8 @@ from .lane_locks import (
     transiently,
     unprepared,
 )
-from .trips import Rows
+from .pooled import Route
+from .trips import FunctionsUnusable, Rows, Via
 
 __all__ = ["CommitGroup", "Statement"]
 
@@ -124,11 +125,12 @@ class _Retry(Exception):
 class CommitGroup:
     """One per worker: checkpoint writes of all its runs, committed in groups under load."""
 
-    def __init__(self, pool: AsyncConnectionPool, *, trips: bool = True) -> None:
-        """`trips`: the pool's sessions are worker sessions (not behind a transaction-mode
-        pooler), and a batch of first tries goes as a trip (batch_sends.send_all)."""
+    def __init__(self, pool: AsyncConnectionPool, *, via: Via | Route = "prepared") -> None:
+        """`via`: how a batch of first tries goes (batch_sends.send_all): "prepared" on
+        worker sessions, "functions" behind a pooler, "pipeline"; a worker's Route, shared
+        with its claims, may fall back from "functions" to "pipeline"."""
         self._pool = pool
-        self._trips = trips
+        self._route = via if isinstance(via, Route) else Route(via)
         # First tries, batched in MAX_INFLIGHT lanes; and the writes that may wait for a held
         # row, each alone in MAX_WAITING lanes of their own.
         self._queue: deque[Write] = deque()
@@ -381,8 +383,14 @@ class CommitGroup:
                 # writes besides (a run's tool calls, messages, event counter) are locked
                 # only by transactions holding the run row.
                 batch_kinds = kinds(batch)
-                sent = list(zip(batch_kinds, await send_all(
-                    conn, batch_kinds, trip=self._trips and fits_trip(batch)), strict=True))
+                via = self._route.via if fits_trip(batch) else "pipeline"
+                sent = list(zip(batch_kinds, await send_all(conn, batch_kinds, via=via),
+                                strict=True))
+            except FunctionsUnusable as exc:
+                # Rolled back whole: the writes go again, first tries still, the pipeline's way.
+                self._route.fall_back(exc)
+                self._requeue(batch)
+                return
             except psycopg.Error as exc:
                 was_refused = refused(conn, exc)
                 await discard(conn)  # may hold unread results if not marked broken

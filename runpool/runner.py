@@ -34,6 +34,7 @@ from .errors import (
 )
 from .logs import run_log_context
 from .outcomes import Outcome, OutcomeWriter
+from .pooled import Route
 from .progress import Publisher
 from .settings import Settings
 from .slot import Slot, Slots, StopReason
@@ -62,7 +63,7 @@ class SlotRunner:
     def __init__(self, *, settings: Settings, app: App, pool: AsyncConnectionPool,
                  outcomes: OutcomeWriter, slots: Slots, log: dict[str, str],
                  wake: Callable[[], None], on_stuck: Callable[[bool], None],
-                 progress: Publisher | None = None) -> None:
+                 progress: Publisher | None = None, route: Route | None = None) -> None:
         self._settings = settings
         self._app = app
         self._pool = pool
@@ -78,7 +79,8 @@ class SlotRunner:
         # slot alive for the grace.
         self._lingering: dict[Slot, asyncio.TimerHandle] = {}
         # Checkpoint writes of all this worker's runs share commits under load.
-        self._commits = CommitGroup(pool, trips=not settings.stateless)
+        self._commits = CommitGroup(pool, via=route or (
+            "pipeline" if settings.stateless else "prepared"))
         # The worker's loop, taken at the first start (each asyncio.get_running_loop() asks
         # the OS for the process id on Python 3.11: ~0.6 us, six times per run).
         self._loop: asyncio.AbstractEventLoop | None = None

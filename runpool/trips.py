@@ -121,14 +121,15 @@ BATCHES: Final = {"batch_message": BATCH_MESSAGE, "batch_intent": BATCH_INTENT,
 # cached and the lookup meets the same object, so finding a 3k-character statement costs
 # nothing).
 _HOT: Final[dict[str, HotStatement]] = {QUERIES[n]: _prepared(n, QUERIES[n]) for n in HOT}
-# The hot statements, each with its function (runpool.pooled installs them).
-HOT_STATEMENTS: Final[tuple[HotStatement, ...]] = tuple(_HOT.values())
 # The batch statements, prepared apart, by the first trip that sends one: a session that
 # prepared them as it opened would wait there for any lock on messages or tool_calls (an
 # operator's ALTER TABLE), and with it the worker's claims and heartbeats.
 _BATCHES: Final[dict[str, HotStatement]] = {
     query: _prepared(n, query) for n, query in BATCHES.items()}
 _BY_TEXT: Final[dict[str, HotStatement]] = {**_HOT, **_BATCHES}
+# Every statement a trip runs by name, each with its function (runpool.pooled makes them):
+# the claim's and the outcome batch's, and a group commit's batch statements.
+HOT_STATEMENTS: Final[tuple[HotStatement, ...]] = tuple(_BY_TEXT.values())
 _TUPLES_OK: Final = psycopg.pq.ExecStatus.TUPLES_OK
 _LIST_OURS: Final = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)"
 # A functions trip's first statements: for its transaction only, what a worker session pins
@@ -225,8 +226,6 @@ class Trip:
                 raise psycopg.ProgrammingError("a trip takes parameters for HOT statements only")
             self._parts.append(query.encode(_ENCODING))
         elif self._functions:
-            if query not in _HOT:
-                raise psycopg.ProgrammingError("a functions trip takes HOT statements only")
             assert params is not None or not prepared.params
             self._parts.append(b"SELECT * FROM runpool.%b(%b)" % (prepared.function, b",".join(
                 [self._literal(params[p]) for p in prepared.params] if params else [])))

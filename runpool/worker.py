@@ -142,7 +142,7 @@ class Worker:
             self._runner = SlotRunner(
                 settings=s, app=self.app, pool=self._pool, outcomes=writer, slots=self.slots,
                 log=self._log, wake=self._wakeups.slot_freed, on_stuck=self._exit_stuck,
-                progress=progress)
+                progress=progress, route=self._route)
             self._leases = LeaseKeeper(
                 settings=s, dsn=self.dsn, worker_id=self.id, pool=self._pool, slots=self.slots,
                 touch=self._touch, on_cancel=self._cancel, on_lost=self._runner.abandon,

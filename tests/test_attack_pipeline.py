@@ -83,9 +83,9 @@ def _agents_counted(dsn: str, ids: list[uuid.UUID], *, boom: uuid.UUID | None = 
     async def main() -> tuple[list[Any], int, int]:
         pool = await open_pool(dsn, size=6, name="attack-pipeline", stateless=stateless)
         try:
-            # Behind the pooler, the batches go in psycopg's pipeline (not ours, the session
-            # cannot keep the trips' prepared statements).
-            group = CommitGroup(pool, trips=not stateless)
+            # Behind the pooler, the batches call the batch statements' functions (the
+            # session is not ours to keep prepared statements in: runpool.pooled).
+            group = CommitGroup(pool, via="functions" if stateless else "prepared")
 
             async def agent(run_id: uuid.UUID) -> None:
                 await agent_turns(pool, group, run_id, TURNS, "search", _lookup, lambda turn:

@@ -23,7 +23,7 @@ from runpool import pooled
 from runpool.db import aconnect, connect
 from runpool.migrate import applied_versions, check, migrate, migrations
 from runpool.testing.databases import create_database, drop_database, with_database
-from runpool.trips import HOT
+from runpool.trips import HOT_STATEMENTS
 from tests.helpers import ROOT, pool_env, run_row, running_pool, wait_for
 
 
@@ -258,10 +258,10 @@ def test_migrate_sql__piped_to_psql_creates_the_schema_then_the_hot_functions(
     with connect(empty_dsn, autocommit=True) as conn:
         check(conn)  # what a worker checks before it starts
         assert applied_versions(conn) == {m.version for m in migrations()}
-        assert len(pooled.missing(conn)) == len(HOT)
+        assert len(pooled.missing(conn)) == len(HOT_STATEMENTS)
     second = script()
     assert "CREATE TABLE runpool.runs" not in second
-    assert second.count("CREATE OR REPLACE FUNCTION runpool.\"hot_") == len(HOT)
+    assert second.count("CREATE OR REPLACE FUNCTION runpool.\"hot_") == len(HOT_STATEMENTS)
     applied(second)
     with connect(empty_dsn, autocommit=True) as conn:
         assert pooled.missing(conn) == []

@@ -9,12 +9,15 @@ import uuid
 from typing import Any
 
 import pytest
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from runpool.commits import MAX_INFLIGHT, CommitGroup
 from runpool.context import Run
 from runpool.db import connect, open_pool
 from runpool.enqueue import RunSpec, enqueue_many
+from runpool.pooled import Route
+from runpool.trips import HOT_STATEMENTS, Via
 
 # The runs as a worker holds them (attempt 1), as runpool.harness.turn_cost does.
 HOLD = """
@@ -39,13 +42,14 @@ def _held(dsn: str, n: int) -> list[uuid.UUID]:
         return ids
 
 
-async def _write_all(dsn: str, ids: list[uuid.UUID], *, trips: bool) -> tuple[int, int]:
+async def _write_all(dsn: str, ids: list[uuid.UUID], *, via: Via | Route) -> tuple[int, int]:
     """Every run writes each HOSTILE content as a message, all at once through one group;
     the group's commits, and how many pool sessions prepared the batch statements."""
     size = MAX_INFLIGHT + 1
-    pool: AsyncConnectionPool = await open_pool(dsn, size=size, name="commit-trips")
+    pool: AsyncConnectionPool = await open_pool(dsn, size=size, name="commit-trips",
+                                                stateless=via != "prepared")
     try:
-        group = CommitGroup(pool, trips=trips)
+        group = CommitGroup(pool, via=via)
 
         async def agent(run_id: uuid.UUID) -> None:
             run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={},
@@ -67,21 +71,42 @@ async def _write_all(dsn: str, ids: list[uuid.UUID], *, trips: bool) -> tuple[in
         await pool.close()
 
 
-@pytest.mark.parametrize("trips", [True, False], ids=["trips", "pipeline"])
+@pytest.mark.parametrize("via", ["prepared", "functions", "pipeline"])
 def test_batches__as_trips_on_worker_sessions__store_what_each_write_said(
-        dsn: str, trips: bool) -> None:
+        dsn: str, via: Via) -> None:
     ids = _held(dsn, 40)
-    commits, sessions = asyncio.run(_write_all(dsn, ids, trips=trips))
+    commits, sessions = asyncio.run(_write_all(dsn, ids, via=via))
     writes = len(ids) * len(HOSTILE)
     assert commits < writes / 4, (commits, writes)  # batched
-    # Trips prepare the batch statements on the sessions that sent them; the pipeline never.
-    assert (sessions > 0) is trips, sessions
+    # Trips of prepared statements prepare the batch statements on the sessions that sent
+    # them; trips of their functions (behind a pooler) and the pipeline never.
+    assert (sessions > 0) is (via == "prepared"), sessions
+    _stored_once(dsn, ids)
+
+
+def _stored_once(dsn: str, ids: list[uuid.UUID]) -> None:
     with connect(dsn, autocommit=True) as conn:
         for run_id in ids:
             stored = [content for (content,) in conn.execute(
                 "SELECT content FROM runpool.messages WHERE run_id = %s ORDER BY seq",
                 (run_id,))]
             assert stored == HOSTILE
+
+
+def test_batches__a_batch_function_gone_falls_back_and_loses_nothing(dsn: str) -> None:
+    """Behind a pooler, a batch statement's function dropped (by hand, or made for a schema a
+    migration changed since): the trip rolled back whole, the route turns to the pipeline,
+    and the writes go again that way, each stored once."""
+    ids = _held(dsn, 40)
+    with connect(dsn, autocommit=True) as conn:
+        (function,) = [h.function.decode() for h in HOT_STATEMENTS
+                       if h.name == b"runpool_batch_message"]
+        conn.execute(sql.SQL("DROP FUNCTION runpool.{}").format(sql.Identifier(function)))
+    route = Route("functions")
+    commits, _ = asyncio.run(_write_all(dsn, ids, via=route))
+    assert route.via == "pipeline"
+    assert commits < len(ids) * len(HOSTILE) / 4  # batched all the same
+    _stored_once(dsn, ids)
 
 
 def test_trips_of_one_kind__psycopg_keeps_none_of_their_strings(dsn: str) -> None:

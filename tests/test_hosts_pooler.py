@@ -22,7 +22,7 @@ from runpool import pooled
 from runpool.db import CHECK_NAME, connect
 from runpool.listener import LISTEN_NAME
 from runpool.testing import database_name
-from runpool.trips import HOT
+from runpool.trips import HOT_STATEMENTS
 from tests.apps import app as test_app
 from tests.helpers import ROOT, assert_invariants, pool_env, running_pool, wait_for
 from tests.pgbouncer import Bouncer, pgbouncer
@@ -263,7 +263,7 @@ def test_pooler__migrate_and_migrate_sql_make_the_hot_functions_through_pgbounce
             conn.execute(drop)
     script = cli("migrate", "--sql")
     assert script.returncode == 0, script.stderr
-    assert script.stdout.count("CREATE OR REPLACE FUNCTION runpool.\"hot_") == len(HOT)
+    assert script.stdout.count("CREATE OR REPLACE FUNCTION runpool.\"hot_") == len(HOT_STATEMENTS)
     again = cli("migrate")
     assert again.returncode == 0, again.stderr
     with connect(empty_dsn, autocommit=True) as conn:

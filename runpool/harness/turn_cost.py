@@ -2,7 +2,10 @@
 call's intent, its result with its tool message, a message) for `runs` runs at once, through a
 worker's own Run and group commit, in this process, with no model wait: the writes always
 queue, as W11's do at load. CPU time of this process (the worker's side) and of the pool's
-server backends (the database's side), per turn: load moves these far less than wall time."""
+server backends (the database's side), per turn: load moves these far less than wall time.
+W11cpup: the same with the pool's sessions as behind a transaction-mode pooler (straight to
+the server): stateless, the batches calling the batch statements' functions (runpool.pooled).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from ..context import Run
 from ..db import connect, open_pool
 from ..enqueue import RunSpec, enqueue_many
 from ..testing.databases import scratch_database
+from ..trips import Via
 from .measure import cpu_seconds
 
 __all__ = ["w11_turn_cost"]
@@ -37,13 +41,14 @@ async def _lookup(arguments: Any, key: str) -> Any:
     return {"turn": arguments["turn"], "hits": ["a result line of a search tool"] * 3}
 
 
-async def _turns(dsn: str, ids: list[uuid.UUID], turns: int, pool_size: int
+async def _turns(dsn: str, ids: list[uuid.UUID], turns: int, pool_size: int, via: Via
                  ) -> dict[str, Any]:
-    pool: AsyncConnectionPool = await open_pool(dsn, size=pool_size, name="w11cpu")
+    pool: AsyncConnectionPool = await open_pool(dsn, size=pool_size, name="w11cpu",
+                                                stateless=via != "prepared")
     try:
         async with pool.connection() as conn:  # opened whole (open_pool waits for all)
             backends = [pid for (pid,) in await (await conn.execute(BACKENDS)).fetchall()]
-        group = CommitGroup(pool)
+        group = CommitGroup(pool, via=via)
         runs = [Run(id=i, tenant="bench", handler="agent", attempt=1, input={}, pool=pool,
                     commits=group) for i in ids]
 
@@ -68,11 +73,13 @@ async def _turns(dsn: str, ids: list[uuid.UUID], turns: int, pool_size: int
         await pool.close()
 
 
-def w11_turn_cost(server: str, *, runs: int = 500, turns: int = 10, pool_size: int = 16
-                  ) -> dict[str, Any]:
-    """W11cpu: `runs` runs x `turns` turns of W11's writes; CPU per turn, each side."""
+def w11_turn_cost(server: str, *, runs: int = 500, turns: int = 10, pool_size: int = 16,
+                  via: Via = "prepared") -> dict[str, Any]:
+    """W11cpu: `runs` runs x `turns` turns of W11's writes; CPU per turn, each side. `via`
+    (runpool.trips.Via): "functions" or "pipeline", the pool's sessions stateless."""
     with scratch_database(server) as dsn, connect(dsn, autocommit=True) as conn:
         enqueue_many(conn, [RunSpec("bench", "agent", {})] * runs)
         ids = [i for (i,) in conn.execute(HOLD)]
-        return {"workload": "W11cpu", "runs": runs, "pool_size": pool_size,
-                **asyncio.run(_turns(dsn, ids, turns, pool_size))}
+        name = {"prepared": "W11cpu", "functions": "W11cpup", "pipeline": "W11cpus"}[via]
+        return {"workload": name, "runs": runs, "pool_size": pool_size,
+                **asyncio.run(_turns(dsn, ids, turns, pool_size, via))}

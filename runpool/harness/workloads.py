@@ -43,6 +43,10 @@ WORKLOADS: Final[dict[str, Callable[[str], dict[str, Any]]]] = {
     "W11x500": lambda server: {**w11_agent_load(server, slots=500), "workload": "W11x500"},
     "W11x2000": lambda server: {**w11_agent_load(server, slots=2000), "workload": "W11x2000"},
     "W11cpu": w11_turn_cost,
+    # Stateless sessions, as behind a pooler: the batches call functions, or (the fallback)
+    # go as psycopg's pipeline of the statements.
+    "W11cpup": lambda server: w11_turn_cost(server, via="functions"),
+    "W11cpus": lambda server: w11_turn_cost(server, via="pipeline"),
     "W12": w12_follow_latency,
     "W13": w13_progress_cost,
     "W15": w15_rate_limit,
