@@ -388,6 +388,7 @@ class CommitGroup:
                                 strict=True))
             except FunctionsUnusable as exc:
                 # Rolled back whole: the writes go again, first tries still, the pipeline's way.
+                self.rollbacks += 1
                 self._route.fall_back(exc)
                 self._requeue(batch)
                 return

@@ -266,8 +266,11 @@ class OutcomeWriter:
         logger.error("the database refused the outcome of run %s: %r", o.run_id, exc, extra={
             "action": "outcome_rejected", "run_id": str(o.run_id),
             "worker_id": str(self._worker_id)})
+        # The server's own words (not str(exc): from a hot function behind a pooler, that
+        # carries the whole statement as its CONTEXT).
+        said = getattr(getattr(exc, "diag", None), "message_primary", None) or str(exc)
         substitute = failed(o.run_id, o.attempt, "outcome_rejected",
-                            f"the database refused this run's {o.kind} outcome: {exc}",
+                            f"the database refused this run's {o.kind} outcome: {said}",
                             sqlstate=getattr(exc, "sqlstate", None) or "")
         replaced = Pending(substitute, pending.serial, pending.done)
         try:

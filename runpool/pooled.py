@@ -2,17 +2,19 @@
 
 Why: behind PgBouncer in transaction mode a worker prepares nothing (the server session is
 not its own, and PgBouncer before 1.21 does not carry prepared statements), so each of its hot
-statements was planned with its parameters on every call, and W1 through PgBouncer drained
-0.57x W1 direct (and a turn's checkpoint writes cost ~1.5x the server CPU: W11cpus). A PL/pgSQL function keeps its statements' plans in the server session,
-whichever client the pooler hands that session to, and leaves its callers no session state: a
-worker behind a pooler calls them (runpool.trips, Via "functions") and drains as fast as W1.
+statements was planned with its parameters on every call: W1 through PgBouncer drained 0.57x
+W1 direct, and a turn's checkpoint writes cost ~1.5x the server CPU (W11cpus). A PL/pgSQL
+function keeps its statements' plans in the server session, whichever client the pooler
+hands that session to, and leaves its callers no session state: a worker behind a pooler
+calls them (runpool.trips, Via "functions") and drains as fast as W1.
 
 `install` (run by `migrate`, in its transaction and under its lock) creates, for each hot
-statement (the claim's, the outcome batch's, a group commit's batch statements), `runpool.hot_<name>_<digest>`: the statement's parameters in $n order, its result
-columns as the function's (described on the migrated schema), EXECUTE for runpool_worker
-only, SECURITY INVOKER (a caller still needs the statement's own privileges). Named after a
-digest of the statement and the schema's version, a function never changes: a fleet mixing
-versions calls what each version holds, and a migrate with nothing new creates nothing.
+statement (the claim's, the outcome batch's, a group commit's batch statements),
+`runpool.hot_<name>_<digest>`: the statement's parameters in $n order, its result columns as
+the function's (described on the migrated schema), EXECUTE for runpool_worker only, SECURITY
+INVOKER (a caller still needs the statement's own privileges). Named after a digest of the
+statement and the schema's version, a function never changes: a fleet mixing versions calls
+what each version holds, and a migrate with nothing new creates nothing.
 A worker behind a pooler whose database lacks its functions (migrated with `migrate --sql`
 by an older script, say) says so and sends the statements themselves (Via "pipeline") until
 they are there (Route.watch); one whose functions stop serving it falls back for good.

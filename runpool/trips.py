@@ -323,12 +323,19 @@ class Trip:
 
 def _about_functions(exc: psycopg.Error) -> bool:
     """Whether the error is about a hot function itself: one missing or not ours to execute
-    (the message names it), or one whose result no longer matches (RETURN QUERY's error, in
-    its body)."""
-    message, context = exc.diag.message_primary or "", exc.diag.context or ""
+    (the trip's own call failed: no context, and the message names a hot function), or one
+    whose result no longer matches (RETURN QUERY's error, raised by a hot function's body
+    itself). Not the same SQLSTATE from deeper down (an operator's trigger on a table the
+    statements write, whose message may quote a tenant's text)."""
+    message, context = exc.diag.message_primary or "", exc.diag.context
     if isinstance(exc, pg_errors.DatatypeMismatch):
-        return message == _STALE and "runpool.hot_" in context
-    return "hot_" in message
+        # Innermost first: the hot statement itself (SPI's line, its text quoted, newlines
+        # and all), then the one line of its function's RETURN QUERY; nothing deeper.
+        statement, _, function = (context or "").rpartition("\n")
+        return (message == _STALE and statement.startswith('SQL statement "')
+                and function.startswith("PL/pgSQL function runpool.hot_")
+                and function.endswith("at RETURN QUERY"))
+    return context is None and "hot_" in message
 
 
 # Types whose str() is their input text, and those sent as arrays (tuples named once: an

@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import psycopg
 import pytest
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
@@ -139,3 +140,57 @@ def test_trips_of_one_kind__psycopg_keeps_none_of_their_strings(dsn: str) -> Non
             await pool.close()
 
     assert asyncio.run(main()) == [0] * (MAX_INFLIGHT + 1)
+
+
+# An operator's policy on messages: its refusal's SQLSTATE is one a missing function's call
+# raises too, and its message quotes the tenant's text.
+POLICY = """
+CREATE FUNCTION public.policy() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.content::text LIKE '%forbidden%' THEN
+        RAISE EXCEPTION 'refused by policy: %', NEW.content::text
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER policy BEFORE INSERT ON runpool.messages
+    FOR EACH ROW EXECUTE FUNCTION public.policy();
+"""
+
+
+def test_batches__a_refusal_naming_hot_from_deeper_down_is_the_writes_own(dsn: str) -> None:
+    """A tenant whose text says "hot_" in an error an operator's trigger raises (42501 here)
+    gets its write refused, alone; the worker's route stays on the functions."""
+    ids = _held(dsn, 40)
+    with connect(dsn, autocommit=True) as conn:
+        conn.execute(POLICY)
+    route = Route("functions")
+
+    async def main() -> list[BaseException | None]:
+        pool = await open_pool(dsn, size=MAX_INFLIGHT + 1, name="commit-trips", stateless=True)
+        try:
+            group = CommitGroup(pool, via=route)
+
+            async def agent(run_id: uuid.UUID) -> BaseException | None:
+                run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={},
+                          pool=pool, commits=group)
+                await run.add_message("assistant", "fine")
+                try:
+                    await run.add_message("assistant", "forbidden: drop hot_functions")
+                except psycopg.Error as exc:
+                    refused: BaseException | None = exc
+                else:
+                    refused = None
+                await run.add_message("assistant", "after")
+                return refused
+
+            return await asyncio.wait_for(asyncio.gather(*(agent(r) for r in ids)), 60)
+        finally:
+            await pool.close()
+
+    refusals = asyncio.run(main())
+    assert all(isinstance(r, psycopg.errors.InsufficientPrivilege) for r in refusals)
+    assert route.via == "functions"
+    with connect(dsn, autocommit=True) as conn:
+        stored = conn.execute("SELECT count(*) FROM runpool.messages").fetchone()
+        assert stored == (2 * len(ids),)
