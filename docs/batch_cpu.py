@@ -56,10 +56,10 @@ async def _batches(dsn: str) -> None:
     pool = await open_pool(dsn, size=1, name="batch-cpu")
     try:
         refill = _Refill()
-        writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill, no_jit=False)
+        writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill, via="prepared")
         loop = asyncio.get_running_loop()
         async with pool.connection() as conn:
-            claimed = await claim(conn, limit=SIZE, no_jit=False, worker_id=refill.worker_id,
+            claimed = await claim(conn, limit=SIZE, via="prepared", worker_id=refill.worker_id,
                                   lease_seconds=60, handlers=["noop"])
         for round_ in range(ROUNDS):
             cpu, wall = time.process_time(), time.perf_counter()

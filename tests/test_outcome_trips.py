@@ -261,3 +261,41 @@ def test_outcome_batch__a_busy_outcome_frees_its_slot_for_a_refill_once(
     assert asyncio.run(main()) == "succeeded"
     assert len(refill.freed) >= 3
     assert refill.freed[0] == 1 and set(refill.freed[1:]) == {0}
+
+
+def test_outcome_batch__an_answered_outcome_frees_its_slot_before_its_run_resumes(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """A slot leaves the worker's table when its run's submit returns, a loop turn after the
+    answer. A batch written in between must count it freed: else its refill claims nothing
+    for it (W1 at 2 x 10: one trip in 30 refilled nothing, and the slots it freed were claimed
+    in a transaction of their own)."""
+    first = runpool.enqueue(conn, "acme", "noop")
+    second = runpool.enqueue(conn, "acme", "noop")
+    refill = _CountingRefill()
+
+    async def main() -> tuple[list[str | None], int]:
+        async with await aconnect(dsn, autocommit=True) as c:
+            runs = await claim(c, limit=2, worker_id=refill.worker_id, lease_seconds=30,
+                               handlers=["noop"])
+        pool = await open_pool(dsn, size=1, name="test-outcome-answered")
+        try:
+            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill)
+            submitted = [asyncio.ensure_future(writer.submit(
+                from_result(r.id, r.attempt, {"ok": 1}, max_bytes=1 << 20)))
+                for r in runs]
+            await until(lambda: writer._queue.qsize() == 2, "both outcomes queued",
+                        interval=0.01)
+            # Each batch by itself, the second written before the first's submitter resumes
+            # (no await between them yields to the loop once the first is answered).
+            await writer._write([writer._queue.get_nowait()], refill=True)
+            await writer._write([writer._queue.get_nowait()], refill=True)
+            statuses = await asyncio.wait_for(asyncio.gather(*submitted), 30)
+            return list(statuses), writer._answered
+        finally:
+            await pool.close()
+
+    statuses, answered = asyncio.run(main())
+    assert statuses == ["succeeded", "succeeded"]
+    assert refill.freed == [1, 2]
+    assert answered == 0  # every answered submitter resumed
+    assert set(_statuses(conn, first, second).values()) == {"succeeded"}
