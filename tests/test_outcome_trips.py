@@ -263,39 +263,39 @@ def test_outcome_batch__a_busy_outcome_frees_its_slot_for_a_refill_once(
     assert refill.freed[0] == 1 and set(refill.freed[1:]) == {0}
 
 
-def test_outcome_batch__an_answered_outcome_frees_its_slot_before_its_run_resumes(
+def test_outcome_batch__a_waves_outcomes_go_in_one_batch(
         conn: psycopg.Connection, dsn: str) -> None:
-    """A slot leaves the worker's table when its run's submit returns, a loop turn after the
-    answer. A batch written in between must count it freed: else its refill claims nothing
-    for it (W1 at 2 x 10: one trip in 30 refilled nothing, and the slots it freed were claimed
-    in a transaction of their own)."""
+    """Runs started together end a loop turn or so apart; the writer wakes at the first
+    outcome and must take the rest of the wave too, not send it in a trip of its own (W1 at
+    2 x 10 split a third of its trips 9 + 1 or 8 + 2, each trip ~0.5 ms of the worker's CPU)."""
     first = runpool.enqueue(conn, "acme", "noop")
     second = runpool.enqueue(conn, "acme", "noop")
     refill = _CountingRefill()
 
-    async def main() -> tuple[list[str | None], int]:
+    async def main() -> list[str | None]:
         async with await aconnect(dsn, autocommit=True) as c:
             runs = await claim(c, limit=2, worker_id=refill.worker_id, lease_seconds=30,
                                handlers=["noop"])
-        pool = await open_pool(dsn, size=1, name="test-outcome-answered")
+        pool = await open_pool(dsn, size=1, name="test-outcome-wave")
         try:
             writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill)
-            submitted = [asyncio.ensure_future(writer.submit(
-                from_result(r.id, r.attempt, {"ok": 1}, max_bytes=1 << 20)))
-                for r in runs]
-            await until(lambda: writer._queue.qsize() == 2, "both outcomes queued",
-                        interval=0.01)
-            # Each batch by itself, the second written before the first's submitter resumes
-            # (no await between them yields to the loop once the first is answered).
-            await writer._write([writer._queue.get_nowait()], refill=True)
-            await writer._write([writer._queue.get_nowait()], refill=True)
-            statuses = await asyncio.wait_for(asyncio.gather(*submitted), 30)
-            return list(statuses), writer._answered
+            writing = asyncio.create_task(writer.run())
+            await asyncio.sleep(0)  # the writer waits for its first outcome
+
+            async def run(r: ClaimedRun, turns: int) -> str | None:
+                for _ in range(turns):  # a run whose end comes a loop turn later
+                    await asyncio.sleep(0)
+                return await writer.submit(from_result(r.id, r.attempt, {"ok": 1},
+                                                       max_bytes=1 << 20))
+
+            try:
+                return list(await asyncio.wait_for(
+                    asyncio.gather(run(runs[0], 0), run(runs[1], 1)), 30))
+            finally:
+                writing.cancel()
         finally:
             await pool.close()
 
-    statuses, answered = asyncio.run(main())
-    assert statuses == ["succeeded", "succeeded"]
-    assert refill.freed == [1, 2]
-    assert answered == 0  # every answered submitter resumed
+    assert asyncio.run(main()) == ["succeeded", "succeeded"]
+    assert refill.freed == [2]  # one batch of both
     assert set(_statuses(conn, first, second).values()) == {"succeeded"}
