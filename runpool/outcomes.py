@@ -308,7 +308,10 @@ class OutcomeWriter:
             # keeps its slot (and its live lease) and is written again later, and counting it
             # again then would let the worker hold runs beyond twice its concurrency (the
             # quota margin's premise, migration 0025; an attack held 90 leases at 5 slots).
-            freed = sum(1 for p in batch if not p.busy)
+            # Nor does one whose submitter was cancelled while it waited here (a lease loss
+            # cancels the run's task whatever it is doing): its slot left the worker's table
+            # then, which already counts it free.
+            freed = sum(1 for p in batch if not p.busy and not p.done.cancelled())
             room = self._refill.capacity(freed) if self._refill and refill and not attempt \
                 else 0
             try:

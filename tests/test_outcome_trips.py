@@ -299,3 +299,36 @@ def test_outcome_batch__a_waves_outcomes_go_in_one_batch(
     assert asyncio.run(main()) == ["succeeded", "succeeded"]
     assert refill.freed == [2]  # one batch of both
     assert set(_statuses(conn, first, second).values()) == {"succeeded"}
+
+
+def test_outcome_batch__a_cancelled_submitters_outcome_frees_no_slot(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """A run stopped while its outcome waits in the writer's queue (its lease lost) leaves its
+    slot at once, and the worker counts that slot free: the outcome, still written, must not
+    count it freed a second time for the batch's refill."""
+    run_id = runpool.enqueue(conn, "acme", "noop")
+    refill = _CountingRefill()
+
+    async def main() -> None:
+        async with await aconnect(dsn, autocommit=True) as c:
+            (run,) = await claim(c, limit=1, worker_id=refill.worker_id, lease_seconds=30,
+                                 handlers=["noop"])
+        pool = await open_pool(dsn, size=1, name="test-outcome-cancelled")
+        try:
+            writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill)
+            submitter = asyncio.ensure_future(writer.submit(
+                from_result(run.id, run.attempt, {"ok": 1}, max_bytes=1 << 20)))
+            await until(lambda: writer._queue.qsize() == 1, "the outcome queued",
+                        interval=0.01)
+            submitter.cancel()
+            writing = asyncio.create_task(writer.run())
+            try:
+                await until(lambda: refill.freed != [], "the batch written", interval=0.01)
+            finally:
+                writing.cancel()
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert refill.freed == [0]
+    assert _statuses(conn, run_id) == {run_id: "succeeded"}  # written all the same
