@@ -57,6 +57,13 @@ def _statuses(conn: psycopg.Connection, *ids: uuid.UUID) -> dict[uuid.UUID, str]
     return dict(conn.execute(STATUSES, (list(ids),)).fetchall())
 
 
+async def _claimed(dsn: str, worker_id: uuid.UUID, limit: int = 1) -> list[ClaimedRun]:
+    """Up to `limit` noop runs claimed for `worker_id`, as a worker's claim takes them."""
+    async with await aconnect(dsn, autocommit=True) as c:
+        return await claim(c, limit=limit, worker_id=worker_id, lease_seconds=30,
+                           handlers=["noop"])
+
+
 def _round_trips(trace: str) -> int:
     """The times the server's messages follow the client's in a libpq protocol trace."""
     sides = [f[1] for f in (line.split("\t") for line in trace.splitlines())
@@ -81,9 +88,7 @@ async def _finish_traced(dsn: str, refill: _Refill, *, pinned: bool = False
     queries (`pinned`: the writer is told its pool's sessions are worker sessions, whose
     batches are trips of the statements the session prepared on its first trip, made here
     before the trace starts)."""
-    async with await aconnect(dsn, autocommit=True) as c:
-        (first,) = await claim(c, limit=1, worker_id=refill.worker_id, lease_seconds=30,
-                               handlers=["noop"])
+    (first,) = await _claimed(dsn, refill.worker_id)
     pool = await open_pool(dsn, size=1, name="test-outcome-trips")
     try:
         writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill,
@@ -201,13 +206,7 @@ def test_one_trip__a_pinned_trip_that_raises_commits_nothing(
     runpool.enqueue(conn, "acme", "noop")
     conn.commit()
 
-    async def claimed() -> ClaimedRun:
-        async with await aconnect(dsn, autocommit=True) as c:
-            (run,) = await claim(c, limit=1, worker_id=uuid.uuid4(), lease_seconds=30,
-                                 handlers=["noop"])
-            return run
-
-    run = asyncio.run(claimed())
+    (run,) = asyncio.run(_claimed(dsn, uuid.uuid4()))
     assert asyncio.run(_finish_then_raise(dsn, run.id, run.attempt)) is True
     assert _statuses(conn, run.id) == {run.id: "running"}
 
@@ -234,9 +233,7 @@ def test_outcome_batch__a_busy_outcome_frees_its_slot_for_a_refill_once(
     refill = _CountingRefill()
 
     async def main() -> str | None:
-        async with await aconnect(dsn, autocommit=True) as c:
-            (run,) = await claim(c, limit=1, worker_id=refill.worker_id, lease_seconds=30,
-                                 handlers=["noop"])
+        (run,) = await _claimed(dsn, refill.worker_id)
         pool = await open_pool(dsn, size=1, name="test-outcome-busy")
         hostile = await aconnect(dsn)
         try:
@@ -273,9 +270,7 @@ def test_outcome_batch__a_waves_outcomes_go_in_one_batch(
     refill = _CountingRefill()
 
     async def main() -> list[str | None]:
-        async with await aconnect(dsn, autocommit=True) as c:
-            runs = await claim(c, limit=2, worker_id=refill.worker_id, lease_seconds=30,
-                               handlers=["noop"])
+        runs = await _claimed(dsn, refill.worker_id, limit=2)
         pool = await open_pool(dsn, size=1, name="test-outcome-wave")
         try:
             writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill)
@@ -310,9 +305,7 @@ def test_outcome_batch__a_cancelled_submitters_outcome_frees_no_slot(
     refill = _CountingRefill()
 
     async def main() -> None:
-        async with await aconnect(dsn, autocommit=True) as c:
-            (run,) = await claim(c, limit=1, worker_id=refill.worker_id, lease_seconds=30,
-                                 handlers=["noop"])
+        (run,) = await _claimed(dsn, refill.worker_id)
         pool = await open_pool(dsn, size=1, name="test-outcome-cancelled")
         try:
             writer = OutcomeWriter(pool, worker_id=uuid.uuid4(), refill=refill)
