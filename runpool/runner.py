@@ -147,6 +147,16 @@ class SlotRunner:
             # thread of the run may still run: until it returns, the run keeps its slot, its
             # lease and its status (never released, never recorded ended).
             await self._threads_finished(slot)
+            if outcome is not None and not self._slots.holds(slot):
+                # Its slot was freed without it (forced cancelled after the grace, or its lease
+                # lost and the handler outlived the grace): that attempt's end is recorded or
+                # fenced, and writing this one would count the slot freed a second time for
+                # the outcome writer's refill (one slot, two runs).
+                logger.info("run %s attempt %d: the handler returned after its slot was"
+                            " freed; its %s is not recorded", slot.claimed.id,
+                            slot.claimed.attempt, outcome.kind,
+                            extra={"action": "late_outcome_dropped", **slot.extra})
+                outcome = None
             if span is not None:
                 stop = ("waiting" if slot.control.suspended else slot.stop_reason.value
                         if slot.stop_reason else "abandoned")

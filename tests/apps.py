@@ -343,6 +343,19 @@ async def stubborn(run: runpool.Run) -> Any:
             continue
 
 
+@app.handler("late")
+async def late(run: runpool.Run) -> Any:
+    """Ignores cancellation for `seconds` after the first one, then returns all the same."""
+    returns_at: float | None = None
+    while returns_at is None or time.monotonic() < returns_at:
+        try:
+            await asyncio.sleep(60 if returns_at is None else returns_at - time.monotonic())
+        except asyncio.CancelledError:
+            if returns_at is None:
+                returns_at = time.monotonic() + float(run.input.get("seconds", 1))
+    return "returned late"
+
+
 @app.handler("poison")
 async def poison(run: runpool.Run) -> Any:
     """Kills the worker process on every attempt."""

@@ -97,6 +97,30 @@ def test_handler_ignoring_cancellation__recorded_cancelled_after_the_grace(
     assert_invariants(conn)
 
 
+def test_handler_returning_after_its_forced_cancel__its_slot_is_freed_once(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # One slot. The handler ignores its cancel past the grace (recorded cancelled, the slot
+    # freed, taken by `held`) and returns later while `queued` waits: its late outcome must not
+    # free the slot a second time (its refill would claim `queued`: two runs in one slot).
+    run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5})
+    with running_pool(dsn, concurrency=1, cancel_grace_seconds=0.3, poll_seconds=60) as pool:
+        wait_for(lambda: _running(conn, run_id), what="running")
+        scalar(conn, CANCEL, run_id, "stop")
+        wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=10, what="forced")
+        held = runpool.enqueue(conn, "acme", "hold")
+        wait_for(lambda: _running(conn, held), what="the freed slot taken")
+        queued = runpool.enqueue(conn, "acme", "noop")
+        # (Dropped now; written, it would log once its trip, refill and all, committed.)
+        wait_for(lambda: any(f"action={a}" in pool.log() for a in (
+            "late_outcome_dropped", "outcome_not_recorded")), timeout=10,
+            what="the handler's late return")
+        assert _status(conn, queued) == "queued"
+        assert scalar(conn, CANCEL, held, "done") == "cancelling"
+        wait_for(lambda: _status(conn, queued) == "succeeded", what="the slot's next run")
+    assert events(conn, run_id) == ["enqueued", "claimed", "cancel_requested", "cancelled"]
+    assert_invariants(conn, cancel_bound=15)
+
+
 @pytest.mark.parametrize("how", ["listen_off", "listener_killed"])
 def test_cancel_without_notify__arrives_through_the_heartbeat(
         conn: psycopg.Connection, dsn: str, how: str) -> None:
