@@ -7,6 +7,7 @@ import json
 import os
 import re
 import socket
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
@@ -388,6 +389,18 @@ async def _configure_stateless(conn: psycopg.AsyncConnection[Any]) -> None:
     await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)
 
 
+class _MostRecentFirst(deque[Any]):
+    """A pool's idle connections, the one returned last taken first. psycopg_pool takes from
+    the left and returns to the right: every connection in turn, so a worker's trips visit all
+    its server sessions, each cold in the CPU's caches when its turn comes back (W1 at 2 x 10:
+    drained 1.2x as fast this way, ten pairs of ten; see the README). Returned to the left, the
+    session just used serves the next trip, and the others only work that runs beside it.
+    (Idle ones stay checked: TCP keepalives, and the pool replaces a broken one at its use.)"""
+
+    def append(self, conn: Any) -> None:
+        self.appendleft(conn)
+
+
 async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | None = None,
                     stateless: bool = False,
                     prepare: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None
@@ -424,6 +437,7 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
         max_idle=300,
         reconnect_timeout=3600,
     )
+    pool._pool = _MostRecentFirst()  # (before open: it fills the pool through append)
     try:
         await pool.open(wait=True, timeout=30)
     except BaseException:
