@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -395,10 +396,25 @@ class _MostRecentFirst(deque[Any]):
     its server sessions, each cold in the CPU's caches when its turn comes back (W1 at 2 x 10:
     drained 1.2x as fast this way, ten pairs of ten; see the README). Returned to the left, the
     session just used serves the next trip, and the others only work that runs beside it.
-    (Idle ones stay checked: TCP keepalives, and the pool replaces a broken one at its use.)"""
+    (A session the server closed while it sat idle is found at its checkout: _still_open.)"""
 
     def append(self, conn: Any) -> None:
         self.appendleft(conn)
+
+
+async def _still_open(conn: psycopg.AsyncConnection[Any]) -> None:
+    """The pool's check at each checkout, without a round trip: an idle session has nothing to
+    say, so something to read on its socket is the server's goodbye (a restart, a failover,
+    pg_terminate_backend, a pooler's idle timeout) or the end of the stream. Such a session is
+    closed here, which makes the pool replace it instead of handing it out again (first, as
+    the connection returned last), and the checkout takes another; no statement meets it.
+    Without this, the sessions a restart broke and the pool's order keeps at the back would
+    fail the statements of the next burst of work, however long after."""
+    poller = select.poll()
+    poller.register(conn.pgconn.socket, select.POLLIN)
+    if poller.poll(0):
+        await conn.close()
+        raise psycopg.OperationalError("the server closed this pooled session while it was idle")
 
 
 async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | None = None,
@@ -434,6 +450,7 @@ async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | No
                 **({} if "application_name" in conninfo_to_dict(dsn)
                    else {"application_name": name})},
         configure=_configure_stateless if stateless else configure_pooled,
+        check=_still_open,
         max_idle=300,
         reconnect_timeout=3600,
     )

@@ -133,7 +133,6 @@ class SlotRunner:
 
     async def _execute_traced(self, slot: Slot, span: Any) -> None:
         loop = slot.task.get_loop()
-        started = loop.time()
         try:
             try:
                 outcome = await self._call(slot, traced=span is not None)
@@ -147,13 +146,13 @@ class SlotRunner:
             # thread of the run may still run: until it returns, the run keeps its slot, its
             # lease and its status (never released, never recorded ended).
             await self._threads_finished(slot)
-            if outcome is not None and not self._slots.holds(slot):
-                # Its slot was freed without it (forced cancelled after the grace, or its lease
-                # lost and the handler outlived the grace): that attempt's end is recorded or
-                # fenced, and writing this one would count the slot freed a second time for
-                # the outcome writer's refill (one slot, two runs).
-                logger.info("run %s attempt %d: the handler returned after its slot was"
-                            " freed; its %s is not recorded", slot.claimed.id,
+            if outcome is not None and not (self._slots.holds(slot) and slot.finish()):
+                # The attempt's end is written without it: forced after the cancel grace (see
+                # `_force`), or fenced (its lease lost, the handler outlived the grace, and the
+                # slot was freed). Writing this one too would count the slot freed a second
+                # time for the outcome writer's refill (one slot, two runs).
+                logger.info("run %s attempt %d: the handler returned after its end was"
+                            " written; its %s is not recorded", slot.claimed.id,
                             slot.claimed.attempt, outcome.kind,
                             extra={"action": "late_outcome_dropped", **slot.extra})
                 outcome = None
@@ -163,12 +162,11 @@ class SlotRunner:
                 telemetry.finish(span, *((stop, None) if outcome is None
                                          else (outcome.kind, outcome.reason)))
             if outcome is not None:
-                slot.finish()
                 status = await self._outcomes.submit(
                     outcome, serial=slot.claimed.serial_key is not None)
                 metrics.attempt_ended(
                     slot.claimed.handler, _RECORDED.get(status or "", "not_recorded"),
-                    loop.time() - started)
+                    loop.time() - slot.started)
                 if status == "queued":
                     # Our own retry is due after its backoff: look again then, not at the poll.
                     loop.call_later(outcome.retry_delay, self._wake)
@@ -185,7 +183,8 @@ class SlotRunner:
                                **slot.extra},
                     )
         finally:
-            self._vacate(slot)
+            if not slot.forced:  # (a forced end frees the slot once it is written)
+                self._vacate(slot)
 
     async def _threads_finished(self, slot: Slot) -> None:
         threads = slot.control.threads
@@ -375,10 +374,17 @@ class SlotRunner:
         if slot.threads_running:
             self.stuck_check(slot, "ignored its cancellation past the cancel grace")
             return
-        slot.finish()
-        await self._outcomes.submit(self._stopped_outcome(slot),
-                                    serial=slot.claimed.serial_key is not None)
-        self._vacate(slot)
+        slot.finish(forced=True)
+        try:
+            status = await self._outcomes.submit(self._stopped_outcome(slot),
+                                                 serial=slot.claimed.serial_key is not None)
+            metrics.attempt_ended(slot.claimed.handler,
+                                  _RECORDED.get(status or "", "not_recorded"),
+                                  asyncio.get_running_loop().time() - slot.started)
+        finally:
+            # Not before: until the end is written the run holds its slot, and the handler's
+            # task ending meanwhile must not free it (see _execute_traced).
+            self._vacate(slot)
 
     def abandon(self, slot: Slot, why: str, *, cancel: bool = True) -> None:
         """Stop a run whose lease is (or may be) lost: every later write of it is fenced."""

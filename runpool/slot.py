@@ -42,16 +42,17 @@ class Slot:
     - `expire(reason)`: likewise → TIMEOUT or DEADLINE (the handler sees a cancellation);
     - `abandon(cancel_task=)`: the lease is lost → LEASE_LOST (from any other stop, once);
     - `shut_down()`: no stop yet and not finishing → SHUTDOWN (a drain past its grace);
-    - `finish()`: the outcome is being written (the heartbeat must not take that for a lost
-      lease, and no later stop applies);
+    - `finish(forced=)`: the outcome is being written (the heartbeat must not take that for a
+      lost lease, and no later stop applies), by the handler's task or, `forced`, by the
+      worker in its place (past the cancel grace); once: the other writer's is dropped;
     - `give_up()`: a thread of the run cannot be stopped: the worker exits and it dies with it.
 
     Each returns whether it changed anything where a caller needs to know. All callers run on
     the worker's one event loop, so no locking is needed.
     """
 
-    __slots__ = ("_cancel_seen", "_deadline", "_finishing", "_given_up", "_stop", "_task",
-                 "claimed", "control", "due", "extra")
+    __slots__ = ("_cancel_seen", "_deadline", "_finishing", "_forced", "_given_up", "_stop",
+                 "_task", "claimed", "control", "due", "extra", "started")
 
     def __init__(self, claimed: ClaimedRun, control: RunControl, *, deadline: float,
                  extra: dict[str, str]) -> None:
@@ -62,6 +63,7 @@ class Slot:
         self._task: asyncio.Task[None] | None = None
         self._stop: StopReason | None = None
         self._finishing = False
+        self._forced = False
         self._given_up = False
         self._cancel_seen: float | None = None
         self._deadline = deadline
@@ -69,6 +71,8 @@ class Slot:
         # Monotonic time at which the attempt's timeout or the run's deadline comes, by the
         # database's clock at the claim (inf: neither): the heartbeat is asked then.
         self.due = math.inf
+        # When the attempt started here (the loop's clock): its duration's start.
+        self.started = control.loop.time()
 
     # -- state (read-only outside) -----------------------------------------------------------
 
@@ -96,6 +100,12 @@ class Slot:
         """The outcome is being written, or the run committed a durable wait (it is 'waiting'
         in the database: no lease to renew or lose, no stop to apply)."""
         return self._finishing or self.control.suspended
+
+    @property
+    def forced(self) -> bool:
+        """The worker writes (or wrote) the run's end in its handler's place: the slot is
+        freed once that write is done, not when the handler's task ends."""
+        return self._forced
 
     @property
     def given_up(self) -> bool:
@@ -161,8 +171,13 @@ class Slot:
         self.task.cancel()
         return True
 
-    def finish(self) -> None:
+    def finish(self, *, forced: bool = False) -> bool:
+        """Whether the caller writes the attempt's outcome: False if it is written already."""
+        if self._finishing:
+            return False
         self._finishing = True
+        self._forced = forced
+        return True
 
     def give_up(self) -> None:
         self.control.close("its worker is exiting")

@@ -345,7 +345,10 @@ async def stubborn(run: runpool.Run) -> Any:
 
 @app.handler("late")
 async def late(run: runpool.Run) -> Any:
-    """Ignores cancellation for `seconds` after the first one, then returns all the same."""
+    """Ignores cancellation for `seconds` after the first one, then returns all the same
+    (`noted`: it writes a message first, which gives the run its event counter row)."""
+    if run.input.get("noted"):
+        await run.add_message("system", {"noted": True})
     returns_at: float | None = None
     while returns_at is None or time.monotonic() < returns_at:
         try:
@@ -353,6 +356,8 @@ async def late(run: runpool.Run) -> Any:
         except asyncio.CancelledError:
             if returns_at is None:
                 returns_at = time.monotonic() + float(run.input.get("seconds", 1))
+    logging.getLogger("tests.apps").warning("late handler returns", extra={
+        "action": "late_handler_returns"})
     return "returned late"
 
 

@@ -121,6 +121,35 @@ def test_handler_returning_after_its_forced_cancel__its_slot_is_freed_once(
     assert_invariants(conn, cancel_bound=15)
 
 
+def test_handler_returning_while_its_forced_end_is_written__the_slot_waits_for_the_write(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # One slot. The forced end's write is held in flight (the test locks the run's event
+    # counter row, which the write's counter bump waits for) while the handler returns. Its
+    # late outcome must not be written, nor its task's end free the slot before the forced
+    # write is done: either let a claim start a second run in the one slot.
+    run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5, "noted": True})
+    with running_pool(dsn, concurrency=1, cancel_grace_seconds=1.0, poll_seconds=60) as pool:
+        wait_for(lambda: _running(conn, run_id) and scalar(
+            conn, "SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s", run_id),
+            what="running, with its counter row")
+        holds = [runpool.enqueue(conn, "acme", "hold") for _ in range(3)]
+        with psycopg.connect(dsn) as locker:
+            scalar(conn, CANCEL, run_id, "stop")
+            locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s FOR UPDATE",
+                           (run_id,))
+            wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
+                     what="the handler's return, its forced end in flight")
+            locker.rollback()
+        wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=10, what="forced")
+        # (Written, a late outcome would log once its trip, refill and all, committed.)
+        wait_for(lambda: any(f"action={a}" in pool.log() for a in (
+            "late_outcome_dropped", "outcome_not_recorded", "run_finished")), timeout=10,
+            what="the late outcome's fate")
+        wait_for(lambda: any(_running(conn, h) for h in holds), what="the slot's next run")
+        assert sum(_running(conn, h) for h in holds) == 1
+    assert events(conn, run_id)[-1] == "cancelled"
+
+
 @pytest.mark.parametrize("how", ["listen_off", "listener_killed"])
 def test_cancel_without_notify__arrives_through_the_heartbeat(
         conn: psycopg.Connection, dsn: str, how: str) -> None:

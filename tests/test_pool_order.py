@@ -54,24 +54,47 @@ def test_pool__one_after_another_uses_the_connection_returned_last(dsn: str) -> 
     assert len(side_by_side) == 4
 
 
-def test_pool__the_session_used_last_broken_is_replaced(
+def test_pool__sessions_the_server_closed_while_idle_are_replaced_at_checkout(
         conn: psycopg.Connection, dsn: str) -> None:
-    async def main() -> tuple[int, int]:
-        pool = await open_pool(dsn, size=2, name="test-pool-order-broken")
+    # Every session of the pool closed by the server (a restart, say) while idle: no statement
+    # meets one, neither the next one alone nor a burst using all four at once (the sessions
+    # at the back of the pool's order, which only a burst reaches).
+    async def main() -> tuple[set[int], list[int], list[int]]:
+        pool = await open_pool(dsn, size=4, name="test-pool-order-closed")
         try:
-            first = await _backend(pool)
-            scalar(conn, "SELECT pg_terminate_backend(%s)", first)
+            gate, out, checked_out = asyncio.Event(), asyncio.Event(), []
+
+            async def held() -> int:
+                async with pool.connection() as c:
+                    checked_out.append(c)
+                    if len(checked_out) == 4:
+                        out.set()
+                    await gate.wait()
+                    row = await (await c.execute(BACKEND)).fetchone()
+                    assert row is not None
+                    return int(row[0])
+
+            async def burst() -> list[int]:
+                checked_out.clear()
+                gate.clear()
+                out.clear()
+                tasks = [asyncio.create_task(held()) for _ in range(4)]
+                await asyncio.wait_for(out.wait(), 10)
+                gate.set()
+                return await asyncio.gather(*tasks)
+
+            before = set(await burst())
+            for pid in before:
+                scalar(conn, "SELECT pg_terminate_backend(%s)", pid)
             wait_for(lambda: not scalar(conn, "SELECT count(*) FROM pg_stat_activity"
-                                        " WHERE pid = %s", first), what="the session gone")
-            # The broken session fails the statement that meets it; the pool then drops it
-            # and the next checkout gets a live one.
-            try:
-                await _backend(pool)
-            except psycopg.OperationalError:
-                pass
-            return first, await _backend(pool)
+                                        " WHERE pid = ANY(%s)", list(before)),
+                     what="the sessions gone")
+            alone = [await _backend(pool)]
+            return before, alone, await burst()
         finally:
             await pool.close()
 
-    first, after = asyncio.run(main())
-    assert after != first
+    before, alone, after = asyncio.run(main())
+    assert len(before) == 4
+    assert not before & {*alone, *after}
+    assert len(set(after)) == 4

@@ -62,7 +62,8 @@ def test_cancel__decided_once_then_only_a_lost_lease_overrides_it() -> None:
 def test_finishing__no_cancel_or_drain_applies_to_an_outcome_being_written() -> None:
     async def main() -> None:
         slot = started()
-        slot.finish()
+        assert slot.finish(forced=True) and slot.forced
+        assert not slot.finish()  # one writer: the handler's late outcome is dropped
         assert not slot.request_cancel() and not slot.shut_down()
         assert state(slot) == (None, False, False, None) and not slot.task.cancelled()
         slot.task.cancel()
