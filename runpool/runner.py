@@ -111,7 +111,8 @@ class SlotRunner:
         timer = self._lingering.pop(slot, None)
         if timer is not None:
             timer.cancel()
-        if self._progress is not None:
+        if self._progress is not None and slot.claimed.id not in self._slots:
+            # (A later attempt of the run, claimed here again, keeps its progress.)
             self._progress.ended(slot.claimed.id)
         self._wake()
 

@@ -185,35 +185,47 @@ class Slot:
 
 
 class Slots:
-    """The worker's slots by run id. A slot enters with `add` and leaves only through
-    `vacate`, which removes that very slot (a later attempt of the same run, claimed again
-    by this worker after a lost lease, has a slot of its own)."""
+    """The worker's slots. A slot enters with `add` and leaves only through `vacate`, which
+    removes that very slot. A later attempt of the same run, claimed again by this worker after
+    a lost lease, has a slot of its own, and the earlier one keeps its place until it ends: its
+    task (or a thread that cannot be stopped) still runs, so it counts against the worker's
+    concurrency, the heartbeat and the stuck-thread checks still see it, and the run's
+    notices (`get`) go to the newest attempt."""
 
     def __init__(self) -> None:
         self._by_id: dict[uuid.UUID, Slot] = {}
+        # Earlier attempts of runs this worker claimed again, still ending (rare: usually none).
+        self._superseded: list[Slot] = []
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self._by_id) + len(self._superseded)
 
     def __iter__(self) -> Iterator[Slot]:
         """A snapshot: the table may change while the caller goes through it."""
-        return iter(list(self._by_id.values()))
+        return iter([*self._by_id.values(), *self._superseded])
 
     def __contains__(self, run_id: object) -> bool:
         return run_id in self._by_id
 
     def get(self, run_id: uuid.UUID) -> Slot | None:
+        """The slot of the run's newest attempt here."""
         return self._by_id.get(run_id)
 
     def holds(self, slot: Slot) -> bool:
-        return self._by_id.get(slot.claimed.id) is slot
+        return self._by_id.get(slot.claimed.id) is slot or slot in self._superseded
 
     def add(self, slot: Slot) -> None:
+        earlier = self._by_id.get(slot.claimed.id)
+        if earlier is not None:
+            self._superseded.append(earlier)
         self._by_id[slot.claimed.id] = slot
 
     def vacate(self, slot: Slot) -> bool:
         """Free `slot`'s place; False if it had left already."""
-        if not self.holds(slot):
-            return False
-        del self._by_id[slot.claimed.id]
-        return True
+        if self._by_id.get(slot.claimed.id) is slot:
+            del self._by_id[slot.claimed.id]
+            return True
+        if slot in self._superseded:
+            self._superseded.remove(slot)
+            return True
+        return False

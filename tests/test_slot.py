@@ -132,7 +132,8 @@ def test_started_twice__refused() -> None:
     asyncio.run(main())
 
 
-def test_slots__vacate_frees_that_very_slot_not_a_later_attempt_of_its_run() -> None:
+def test_slots__an_earlier_attempt_of_a_run_claimed_again_keeps_its_place_until_it_ends(
+) -> None:
     async def main() -> None:
         table = Slots()
         run_id = uuid.uuid4()
@@ -141,10 +142,15 @@ def test_slots__vacate_frees_that_very_slot_not_a_later_attempt_of_its_run() -> 
         # The old attempt lost its lease and is still ending; this worker claims the run again.
         new = started(claimed(run_id, attempt=2))
         table.add(new)
-        assert not table.vacate(old)
-        assert table.get(run_id) is new and len(table) == 1 and run_id in table
+        # Both take a place until each ends (the old one's task, or thread, still runs: it
+        # counts against the concurrency, and the heartbeat and stuck checks still see it);
+        # the run's notices go to the new one.
+        assert table.holds(old) and table.holds(new) and len(table) == 2
+        assert set(table) == {old, new} and table.get(run_id) is new and run_id in table
+        assert table.vacate(old) and not table.vacate(old)
+        assert table.get(run_id) is new and len(table) == 1 and not table.holds(old)
         assert table.vacate(new) and not table.vacate(new)
-        assert len(table) == 0 and table.get(run_id) is None
+        assert len(table) == 0 and table.get(run_id) is None and run_id not in table
         for slot in (old, new):
             slot.task.cancel()
             await settle(slot)
