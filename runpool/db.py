@@ -410,9 +410,17 @@ async def _still_open(conn: psycopg.AsyncConnection[Any]) -> None:
     the connection returned last), and the checkout takes another; no statement meets it.
     Without this, the sessions a restart broke and the pool's order keeps at the back would
     fail the statements of the next burst of work, however long after."""
-    poller = select.poll()
-    poller.register(conn.pgconn.socket, select.POLLIN)
-    if poller.poll(0):
+    fd = conn.pgconn.socket
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            readable = bool(poller.poll(0))
+        else:  # (Windows, for an embedded pool: no poll there, but select takes sockets)
+            readable = bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return  # cannot tell: the session is handed out, and a statement finds out
+    if readable:
         await conn.close()
         raise psycopg.OperationalError("the server closed this pooled session while it was idle")
 

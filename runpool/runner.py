@@ -99,6 +99,12 @@ class SlotRunner:
         if c.due_in is not None:
             slot.due = sent + max(c.due_in, 0.0)
         control.on_suspend = functools.partial(self._after_suspend, slot)
+        earlier = self._slots.get(c.id)
+        if earlier is not None:
+            # This worker claimed the run again while an earlier attempt of it still ends here:
+            # that attempt's lease is gone for sure, whatever its own checks saw so far (the
+            # heartbeat answers by run id: it would renew the earlier one from this one's row).
+            self.abandon(earlier, "this worker claimed the run again")
         self._slots.add(slot)
         slot.start(self._execute(slot))
 
@@ -147,11 +153,13 @@ class SlotRunner:
             # thread of the run may still run: until it returns, the run keeps its slot, its
             # lease and its status (never released, never recorded ended).
             await self._threads_finished(slot)
-            if outcome is not None and not (self._slots.holds(slot) and slot.finish()):
+            if outcome is not None and not (self._current(slot) and slot.finish()):
                 # The attempt's end is written without it: forced after the cancel grace (see
                 # `_force`), or fenced (its lease lost, the handler outlived the grace, and the
-                # slot was freed). Writing this one too would count the slot freed a second
-                # time for the outcome writer's refill (one slot, two runs).
+                # slot was freed or the run claimed here again). Writing this one too would
+                # count the slot freed a second time for the outcome writer's refill (one slot,
+                # two runs), or share a batch with the newer attempt's outcome, whose status
+                # both would be told (the batch answers by run id).
                 logger.info("run %s attempt %d: the handler returned after its end was"
                             " written; its %s is not recorded", slot.claimed.id,
                             slot.claimed.attempt, outcome.kind,
@@ -186,6 +194,10 @@ class SlotRunner:
         finally:
             if not slot.forced:  # (a forced end frees the slot once it is written)
                 self._vacate(slot)
+
+    def _current(self, slot: Slot) -> bool:
+        """The slot holds its run's newest attempt here (not freed, not claimed again)."""
+        return self._slots.get(slot.claimed.id) is slot
 
     async def _threads_finished(self, slot: Slot) -> None:
         threads = slot.control.threads
@@ -370,7 +382,7 @@ class SlotRunner:
         """The handler ignored cancellation past its grace: record it cancelled and free the
         slot; whatever the handler does later is fenced. A thread cannot be stopped, though:
         while one of the run's threads runs, the worker exits instead (see `give_up`)."""
-        if not self._slots.holds(slot) or slot.finishing:
+        if not self._current(slot) or slot.finishing:
             return
         if slot.threads_running:
             self.stuck_check(slot, "ignored its cancellation past the cancel grace")

