@@ -28,7 +28,12 @@ async def drain(slots: Slots, runner: SlotRunner | None, pool: AsyncConnectionPo
                 log: dict[str, Any]) -> None:
     """Wait up to `grace` seconds for the runs in `slots` (none when any of `hurry` is set),
     then stop the rest and release them."""
-    tasks = {s.task for s in slots}
+
+    def ending(slot: Slot) -> asyncio.Task[None]:
+        # A run forced to its end is done when that end is written (its task may never end).
+        return runner.ending(slot) if runner is not None else slot.task
+
+    tasks = {ending(s) for s in slots}
     if tasks and not any(e.is_set() for e in hurry):
         logger.info("draining %d runs for up to %.1fs", len(tasks), grace,
                     extra={"action": "drain", **log})
@@ -44,7 +49,7 @@ async def drain(slots: Slots, runner: SlotRunner | None, pool: AsyncConnectionPo
     unfinished = [s for s in slots if not s.finishing]
     for slot in unfinished:
         slot.shut_down()
-    pending = [s.task for s in slots if not s.given_up]
+    pending = [ending(s) for s in slots if not s.given_up]
     if pending:
         await asyncio.wait(pending, timeout=5)
     # Decided once: a thread ending after this is left to its lease too (safe either way).

@@ -38,7 +38,6 @@ from .pooled import Route
 from .progress import Publisher
 from .settings import Settings
 from .slot import Slot, Slots, StopReason
-from .tasks import Background
 from .waits import Suspended
 
 __all__ = ["SlotRunner"]
@@ -73,7 +72,9 @@ class SlotRunner:
         self._wake = wake
         self._on_stuck = on_stuck
         self._progress = progress
-        self._background = Background()
+        # The forced ends being written (see _force), by slot: a drain waits for them as it
+        # waits for the runs' own tasks (a forced slot's task may never end).
+        self._forcing: dict[Slot, asyncio.Task[None]] = {}
         # The linger checks of suspended attempts whose slot is not vacated yet (see
         # _after_suspend): cancelled at the vacate, so 10,000 runs starting to wait keep no
         # slot alive for the grace.
@@ -351,8 +352,7 @@ class SlotRunner:
         logger.info("cancelling run %s", slot.claimed.id,
                     extra={"action": "run_cancelling", **slot.extra})
         asyncio.get_running_loop().call_later(
-            self._settings.cancel_grace_seconds,
-            lambda: self._background.spawn(self._force(slot)))
+            self._settings.cancel_grace_seconds, self._force_later, slot)
 
     def overdue(self, slot: Slot, reason: str) -> None:
         """The database's clock says the attempt passed its timeout ('timeout') or the run its
@@ -363,8 +363,7 @@ class SlotRunner:
         logger.info("stopping run %s: %s", slot.claimed.id, reason,
                     extra={"action": "run_overdue", "reason": reason, **slot.extra})
         asyncio.get_running_loop().call_later(
-            self._settings.cancel_grace_seconds,
-            lambda: self._background.spawn(self._force(slot)))
+            self._settings.cancel_grace_seconds, self._force_later, slot)
 
     def _stopped_outcome(self, slot: Slot) -> Outcome:
         """What a run stopped by the worker (not lost, not released) amounts to."""
@@ -377,6 +376,16 @@ class SlotRunner:
             return outcomes.failed(c.id, c.attempt, "deadline_exceeded",
                                    "the run ran past its deadline")
         return _cancelled_outcome(slot)
+
+    def _force_later(self, slot: Slot) -> None:
+        task = asyncio.get_running_loop().create_task(self._force(slot))
+        self._forcing[slot] = task
+        task.add_done_callback(lambda _: self._forcing.pop(slot, None))
+
+    def ending(self, slot: Slot) -> asyncio.Task[None]:
+        """What ends the slot's run here: the worker's write of its forced end, if one is
+        under way, else the run's own task."""
+        return self._forcing.get(slot) or slot.task
 
     async def _force(self, slot: Slot) -> None:
         """The handler ignored cancellation past its grace: record it cancelled and free the

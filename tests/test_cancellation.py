@@ -150,6 +150,33 @@ def test_handler_returning_while_its_forced_end_is_written__the_slot_waits_for_t
     assert events(conn, run_id)[-1] == "cancelled"
 
 
+def test_drain__waits_for_a_forced_end_being_written(conn: psycopg.Connection, dsn: str) -> None:
+    # The worker is told to stop while the forced end of a run is being written (held in
+    # flight by a lock on the run's event counter row) and its handler has returned: the
+    # drain waits for that write, so the run ends as its cancel asked, not at its lease's
+    # expiry (which would cost a worker's reap and say 'lease_expired').
+    run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5, "noted": True})
+    with running_pool(dsn, concurrency=1, cancel_grace_seconds=1.0, poll_seconds=60,
+                      stop="drain") as pool:
+        wait_for(lambda: _running(conn, run_id) and scalar(
+            conn, "SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s", run_id),
+            what="running, with its counter row")
+        with psycopg.connect(dsn) as locker:
+            scalar(conn, CANCEL, run_id, "stop")
+            locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s FOR UPDATE",
+                           (run_id,))
+            wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
+                     what="the handler's return, its forced end in flight")
+            pool.send_signal(signal.SIGTERM)
+            wait_for(lambda: "action=drain worker_id" in pool.log(), timeout=10,
+                     what="the worker's drain begun")
+            locker.rollback()
+        assert pool.wait(timeout=30) == 0
+    row = run_row(conn, run_id)
+    assert row["status"] == "cancelled"  # (without the wait: still 'running', its write lost)
+    assert (row["error"]["reason"], row["cancel_reason"]) == ("cancelled", "stop")
+
+
 @pytest.mark.parametrize("how", ["listen_off", "listener_killed"])
 def test_cancel_without_notify__arrives_through_the_heartbeat(
         conn: psycopg.Connection, dsn: str, how: str) -> None:
