@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -121,6 +123,27 @@ def test_handler_returning_after_its_forced_cancel__its_slot_is_freed_once(
     assert_invariants(conn, cancel_bound=15)
 
 
+@contextlib.contextmanager
+def _forced_end_in_flight(conn: psycopg.Connection, dsn: str, pool: Any, run_id: uuid.UUID,
+                          before_cancel: Any = None) -> Iterator[None]:
+    """Cancel a running `late` run (`noted`, so it has an event counter row) and hold its
+    forced end's write in flight, by a lock on that row, which the write's counter bump waits
+    for: the block runs once the handler has returned meanwhile; the lock goes at its end."""
+    wait_for(lambda: _running(conn, run_id) and scalar(
+        conn, "SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s", run_id),
+        what="running, with its counter row")
+    if before_cancel is not None:
+        before_cancel()
+    with psycopg.connect(dsn) as locker:
+        scalar(conn, CANCEL, run_id, "stop")
+        locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s FOR UPDATE",
+                       (run_id,))
+        wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
+                 what="the handler's return, its forced end in flight")
+        yield
+        locker.rollback()
+
+
 def test_handler_returning_while_its_forced_end_is_written__the_slot_waits_for_the_write(
         conn: psycopg.Connection, dsn: str) -> None:
     # One slot. The forced end's write is held in flight (the test locks the run's event
@@ -129,17 +152,10 @@ def test_handler_returning_while_its_forced_end_is_written__the_slot_waits_for_t
     # write is done: either let a claim start a second run in the one slot.
     run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5, "noted": True})
     with running_pool(dsn, concurrency=1, cancel_grace_seconds=1.0, poll_seconds=60) as pool:
-        wait_for(lambda: _running(conn, run_id) and scalar(
-            conn, "SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s", run_id),
-            what="running, with its counter row")
-        holds = [runpool.enqueue(conn, "acme", "hold") for _ in range(3)]
-        with psycopg.connect(dsn) as locker:
-            scalar(conn, CANCEL, run_id, "stop")
-            locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s FOR UPDATE",
-                           (run_id,))
-            wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
-                     what="the handler's return, its forced end in flight")
-            locker.rollback()
+        holds: list[uuid.UUID] = []
+        with _forced_end_in_flight(conn, dsn, pool, run_id, before_cancel=lambda: holds.extend(
+                runpool.enqueue(conn, "acme", "hold") for _ in range(3))):
+            pass  # (the write goes on once the handler has returned)
         wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=10, what="forced")
         # (Written, a late outcome would log once its trip, refill and all, committed.)
         wait_for(lambda: any(f"action={a}" in pool.log() for a in (
@@ -158,19 +174,10 @@ def test_drain__waits_for_a_forced_end_being_written(conn: psycopg.Connection, d
     run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5, "noted": True})
     with running_pool(dsn, concurrency=1, cancel_grace_seconds=1.0, poll_seconds=60,
                       stop="drain") as pool:
-        wait_for(lambda: _running(conn, run_id) and scalar(
-            conn, "SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s", run_id),
-            what="running, with its counter row")
-        with psycopg.connect(dsn) as locker:
-            scalar(conn, CANCEL, run_id, "stop")
-            locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s FOR UPDATE",
-                           (run_id,))
-            wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
-                     what="the handler's return, its forced end in flight")
+        with _forced_end_in_flight(conn, dsn, pool, run_id):
             pool.send_signal(signal.SIGTERM)
             wait_for(lambda: "action=drain worker_id" in pool.log(), timeout=10,
                      what="the worker's drain begun")
-            locker.rollback()
         assert pool.wait(timeout=30) == 0
     row = run_row(conn, run_id)
     assert row["status"] == "cancelled"  # (without the wait: still 'running', its write lost)
