@@ -8,7 +8,8 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 from psycopg_pool import AsyncConnectionPool
 
@@ -29,29 +30,24 @@ async def drain(slots: Slots, runner: SlotRunner | None, pool: AsyncConnectionPo
     """Wait up to `grace` seconds for the runs in `slots` (none when any of `hurry` is set),
     then stop the rest and release them."""
 
-    def ending(slot: Slot) -> asyncio.Task[None]:
-        # A run forced to its end is done when that end is written (its task may never end).
-        return runner.ending(slot) if runner is not None else slot.task
+    def open_ends(*, given_up: bool = True) -> set[asyncio.Task[None]]:
+        # Looked at again on every pass: a run forced to its end is done when that end is
+        # written (its task may never end), and that write may begin during the drain.
+        ends = {runner.ending(s) if runner is not None else s.task
+                for s in slots if given_up or not s.given_up}
+        return {t for t in ends if not t.done()}
 
-    tasks = {ending(s) for s in slots}
-    if tasks and not any(e.is_set() for e in hurry):
-        logger.info("draining %d runs for up to %.1fs", len(tasks), grace,
+    if len(slots) and not any(e.is_set() for e in hurry):
+        logger.info("draining %d runs for up to %.1fs", len(slots), grace,
                     extra={"action": "drain", **log})
-        deadline = time.monotonic() + grace
         aborted = [asyncio.ensure_future(e.wait()) for e in hurry]
-        while (tasks and not any(e.is_set() for e in hurry)
-               and (left := deadline - time.monotonic()) > 0):
-            done, _ = await asyncio.wait(
-                [*tasks, *aborted], timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            tasks -= done
+        await _until_ended(open_ends, grace, aborted)
         for waiter in aborted:
             waiter.cancel()
     unfinished = [s for s in slots if not s.finishing]
     for slot in unfinished:
         slot.shut_down()
-    pending = [ending(s) for s in slots if not s.given_up]
-    if pending:
-        await asyncio.wait(pending, timeout=5)
+    await _until_ended(lambda: open_ends(given_up=False), 5.0, [])
     # Decided once: a thread ending after this is left to its lease too (safe either way).
     stuck = [s for s in slots if s.threads_running]
     if stuck and runner is not None:
@@ -61,6 +57,20 @@ async def drain(slots: Slots, runner: SlotRunner | None, pool: AsyncConnectionPo
                     and s.claimed.id not in held], pool, worker_id=worker_id, log=log)
     # The stuck runs' tasks stay (their leases renewed) until the worker's last moment;
     # asyncio.run cancels them then, and they no longer wait for their threads.
+
+
+# How often a drain looks again at what it waits for (a forced end's write may begin).
+_RECHECK_SECONDS: Final = 0.25
+
+
+async def _until_ended(open_ends: Callable[[], set[asyncio.Task[None]]], seconds: float,
+                       aborted: Sequence[asyncio.Future[Any]]) -> None:
+    """Until every end `open_ends` names is done, `seconds` pass, or one of `aborted` fires."""
+    deadline = time.monotonic() + seconds
+    while ((ends := open_ends()) and not any(a.done() for a in aborted)
+           and (left := deadline - time.monotonic()) > 0):
+        await asyncio.wait([*ends, *aborted], timeout=min(left, _RECHECK_SECONDS),
+                           return_when=asyncio.FIRST_COMPLETED)
 
 
 async def _release(slots: list[Slot], pool: AsyncConnectionPool | None, *,

@@ -385,7 +385,9 @@ class SlotRunner:
     def ending(self, slot: Slot) -> asyncio.Task[None]:
         """What ends the slot's run here: the worker's write of its forced end, if one is
         under way, else the run's own task."""
-        return self._forcing.get(slot) or slot.task
+        forcing = self._forcing.get(slot)
+        # (Its entry goes a loop turn after it ends: an ended write is no longer the end.)
+        return forcing if forcing is not None and not forcing.done() else slot.task
 
     async def _force(self, slot: Slot) -> None:
         """The handler ignored cancellation past its grace: record it cancelled and free the

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -182,6 +183,34 @@ def test_drain__waits_for_a_forced_end_being_written(conn: psycopg.Connection, d
     row = run_row(conn, run_id)
     assert row["status"] == "cancelled"  # (without the wait: still 'running', its write lost)
     assert (row["error"]["reason"], row["cancel_reason"]) == ("cancelled", "stop")
+
+
+def test_drain__waits_for_a_forced_end_that_begins_during_it(
+        conn: psycopg.Connection, dsn: str) -> None:
+    # The worker is told to stop inside the run's cancel grace: its forced end's write begins
+    # after the drain did (held in flight by the lock), and the handler returns half a second
+    # later. The drain looks again at what it waits for: the write, within its 60 s grace.
+    # (It used to give the write only the last 5 s of a drain, once the handler had returned.)
+    run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5, "noted": True})
+    with running_pool(dsn, concurrency=1, cancel_grace_seconds=1.0, poll_seconds=60,
+                      grace_seconds=60, stop="drain") as pool:
+        wait_for(lambda: _running(conn, run_id) and scalar(
+            conn, "SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s", run_id),
+            what="running, with its counter row")
+        with psycopg.connect(dsn) as locker:
+            scalar(conn, CANCEL, run_id, "stop")
+            locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s FOR UPDATE",
+                           (run_id,))
+            pool.send_signal(signal.SIGTERM)
+            wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
+                     what="the handler's return, its forced end in flight")
+            # The window the old drain gave the write, and a second more: it must still wait.
+            with pytest.raises(subprocess.TimeoutExpired):
+                pool.wait(timeout=6)
+            locker.rollback()
+        assert pool.wait(timeout=30) == 0
+    row = run_row(conn, run_id)
+    assert (row["status"], row["cancel_reason"]) == ("cancelled", "stop")
 
 
 @pytest.mark.parametrize("how", ["listen_off", "listener_killed"])
