@@ -189,8 +189,8 @@ class Slots:
     removes that very slot. A later attempt of the same run, claimed again by this worker after
     a lost lease, has a slot of its own, and the earlier one keeps its place until it ends: its
     task (or a thread that cannot be stopped) still runs, so it counts against the worker's
-    concurrency, the heartbeat and the stuck-thread checks still see it, and the run's
-    notices (`get`) go to the newest attempt."""
+    concurrency, and the stuck-thread check and the drain still see it (the runner gives it up
+    as lost at once); the run's notices (`get`) go to the newest attempt."""
 
     def __init__(self) -> None:
         self._by_id: dict[uuid.UUID, Slot] = {}
