@@ -125,24 +125,24 @@ def test_handler_returning_after_its_forced_cancel__its_slot_is_freed_once(
 
 
 @contextlib.contextmanager
-def _forced_end_in_flight(conn: psycopg.Connection, dsn: str, pool: Any, run_id: uuid.UUID,
-                          before_cancel: Any = None) -> Iterator[None]:
-    """Cancel a running `late` run (`noted`, so it has an event counter row) and hold its
-    forced end's write in flight, by a lock on that row, which the write's counter bump waits
-    for: the block runs once the handler has returned meanwhile; the lock goes at its end."""
+def _forced_end_held(conn: psycopg.Connection, dsn: str, run_id: uuid.UUID) -> Iterator[None]:
+    """Cancel a running `late` run (`noted`, so it has an event counter row) with its forced
+    end's write held in flight, by a lock on that row (the write's counter bump waits for it),
+    until the block ends."""
     wait_for(lambda: _running(conn, run_id) and scalar(
         conn, "SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s", run_id),
         what="running, with its counter row")
-    if before_cancel is not None:
-        before_cancel()
     with psycopg.connect(dsn) as locker:
         scalar(conn, CANCEL, run_id, "stop")
         locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s FOR UPDATE",
                        (run_id,))
-        wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
-                 what="the handler's return, its forced end in flight")
         yield
         locker.rollback()
+
+
+def _handler_returned(pool: Any) -> None:
+    wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
+             what="the handler's return, its forced end in flight")
 
 
 def test_handler_returning_while_its_forced_end_is_written__the_slot_waits_for_the_write(
@@ -153,10 +153,10 @@ def test_handler_returning_while_its_forced_end_is_written__the_slot_waits_for_t
     # write is done: either let a claim start a second run in the one slot.
     run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5, "noted": True})
     with running_pool(dsn, concurrency=1, cancel_grace_seconds=1.0, poll_seconds=60) as pool:
-        holds: list[uuid.UUID] = []
-        with _forced_end_in_flight(conn, dsn, pool, run_id, before_cancel=lambda: holds.extend(
-                runpool.enqueue(conn, "acme", "hold") for _ in range(3))):
-            pass  # (the write goes on once the handler has returned)
+        wait_for(lambda: _running(conn, run_id), what="running")
+        holds = [runpool.enqueue(conn, "acme", "hold") for _ in range(3)]
+        with _forced_end_held(conn, dsn, run_id):
+            _handler_returned(pool)
         wait_for(lambda: _status(conn, run_id) == "cancelled", timeout=10, what="forced")
         # (Written, a late outcome would log once its trip, refill and all, committed.)
         wait_for(lambda: any(f"action={a}" in pool.log() for a in (
@@ -175,7 +175,8 @@ def test_drain__waits_for_a_forced_end_being_written(conn: psycopg.Connection, d
     run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5, "noted": True})
     with running_pool(dsn, concurrency=1, cancel_grace_seconds=1.0, poll_seconds=60,
                       stop="drain") as pool:
-        with _forced_end_in_flight(conn, dsn, pool, run_id):
+        with _forced_end_held(conn, dsn, run_id):
+            _handler_returned(pool)
             pool.send_signal(signal.SIGTERM)
             wait_for(lambda: "action=drain worker_id" in pool.log(), timeout=10,
                      what="the worker's drain begun")
@@ -194,20 +195,12 @@ def test_drain__waits_for_a_forced_end_that_begins_during_it(
     run_id = runpool.enqueue(conn, "acme", "late", {"seconds": 1.5, "noted": True})
     with running_pool(dsn, concurrency=1, cancel_grace_seconds=1.0, poll_seconds=60,
                       grace_seconds=60, stop="drain") as pool:
-        wait_for(lambda: _running(conn, run_id) and scalar(
-            conn, "SELECT count(*) FROM runpool.event_seqs WHERE run_id = %s", run_id),
-            what="running, with its counter row")
-        with psycopg.connect(dsn) as locker:
-            scalar(conn, CANCEL, run_id, "stop")
-            locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s FOR UPDATE",
-                           (run_id,))
+        with _forced_end_held(conn, dsn, run_id):
             pool.send_signal(signal.SIGTERM)
-            wait_for(lambda: "action=late_handler_returns" in pool.log(), timeout=10,
-                     what="the handler's return, its forced end in flight")
+            _handler_returned(pool)
             # The window the old drain gave the write, and a second more: it must still wait.
             with pytest.raises(subprocess.TimeoutExpired):
                 pool.wait(timeout=6)
-            locker.rollback()
         assert pool.wait(timeout=30) == 0
     row = run_row(conn, run_id)
     assert (row["status"], row["cancel_reason"]) == ("cancelled", "stop")
