@@ -37,13 +37,16 @@ WITH fence AS (
     ORDER BY r.id
     FOR SHARE OF r SKIP LOCKED
 )"""
-# Each fenced write's seqs from its run's counter row (EVENT, for many runs).
+# Each fenced write's seqs from its run's counter row (EVENT, for many runs), and its run's
+# doorbell rung here only if %(ring)s: a loaded worker rings the runs after this commits, in
+# a transaction of its own (runpool.doorbells: a NOTIFY makes every commit wait for the one
+# before it, flush and all); one that is not rings here, at its commit, at no round trip more.
 BATCH_EVENT: Final = """,
 event AS (
     INSERT INTO runpool.event_seqs AS s (run_id, seq)
     SELECT fence.id, fence.event_seq + %(events)s FROM fence ORDER BY fence.id
     ON CONFLICT ON CONSTRAINT event_seqs_pkey DO UPDATE SET seq = s.seq + %(events)s
-    RETURNING s.run_id, s.seq, runpool._ring(s.run_id)
+    RETURNING s.run_id, s.seq, CASE WHEN %(ring)s THEN runpool._ring(s.run_id) END
 )"""
 # INSERT_MESSAGE for many runs: each run's message at its next sequence number.
 BATCH_MESSAGE: Final = BATCH_FENCE + BATCH_EVENT + """

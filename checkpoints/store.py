@@ -237,11 +237,13 @@ class Statement:
         cur = await conn.execute(self.query, self.params)
         return await self.answer(conn, await cur.fetchone())
 
-    def batch_params(self, rows: list[bytes]) -> dict[str, Any]:
+    def batch_params(self, rows: list[bytes], *, ring: bool = True) -> dict[str, Any]:
         """The params of this write's batch statement carrying `rows` (writes of its kind,
-        one per run): the rows as one JSON array, and the event seqs each write takes."""
+        one per run): the rows as one JSON array, the event seqs each write takes, and
+        whether the statement rings the runs' doorbells (`ring`; if not, its sender must,
+        once it committed)."""
         return {"rows": Jsonb(b"[" + b",".join(rows) + b"]", dumps=_as_is),
-                "events": self.params["events"]}
+                "events": self.params["events"], "ring": ring}
 
 
 def _row(scalars: dict[str, Any], **encoded: bytes) -> bytes:

@@ -35,7 +35,7 @@ class Statement(Protocol):
     def batch(self) -> str | None: ...
     @property
     def row(self) -> bytes: ...
-    def batch_params(self, rows: list[bytes]) -> dict[str, Any]: ...
+    def batch_params(self, rows: list[bytes], *, ring: bool = True) -> dict[str, Any]: ...
 
 # The most JSON one batch statement carries: the server parses its array whole (and each
 # write's values again as its rows), so a batch of large writes (64 tool results of 1 MB:
@@ -103,17 +103,20 @@ def kinds(piped: list[Write]) -> list[list[tuple[Write, Statement]]]:
     return [*(c for chunks in kinds.values() for c in chunks), *alone]
 
 
-async def send(conn: psycopg.AsyncConnection[Any] | Trip, kind: list[tuple[Write, Statement]]
-               ) -> Rows:
+async def send(conn: psycopg.AsyncConnection[Any] | Trip, kind: list[tuple[Write, Statement]],
+               *, ring: bool = True) -> Rows:
     """Send the writes of one kind (_kinds): as their batch statement, or one alone (not in
-    a Trip, which takes only prepared statements' parameters: runpool.trips)."""
+    a Trip, which takes only prepared statements' parameters: runpool.trips). `ring`: the
+    batch statement rings its runs' doorbells (if not, the caller does once it committed;
+    a write's single statement always does)."""
     first = kind[0][1]
     if first.batch is None:
         assert not isinstance(conn, Trip)
         return await conn.execute(first.query, first.params)
     # A batchable write alone too: its batch statement skips a run row another transaction
     # holds, where its single statement would hold up the whole batch waiting for it.
-    return await conn.execute(first.batch, first.batch_params([st.row for _, st in kind]))
+    return await conn.execute(first.batch, first.batch_params([st.row for _, st in kind],
+                                                              ring=ring))
 
 
 def fits_trip(batch: list[Write]) -> bool:
@@ -126,23 +129,23 @@ def fits_trip(batch: list[Write]) -> bool:
 
 
 async def send_all(conn: psycopg.AsyncConnection[Any], batch: list[list[tuple[Write, Statement]]],
-                   *, via: Via) -> list[Rows]:
+                   *, via: Via, ring: bool = True) -> list[Rows]:
     """Send the kinds of a batch (kinds()) in one round trip, as one transaction, their
     answers unread. `via` (runpool.trips.Via) "prepared", on a worker session, or "functions",
     behind a pooler: they go as one simple query of the statements the session prepared, or
     of calls to their functions (runpool.trips), whose implicit transaction an error rolls
     back whole: psycopg's pipeline costs ~35-55 us of client CPU a statement, and a W11
     worker spent ~0.76 ms of CPU a commit. "pipeline": a lone statement in autocommit,
-    several with BEGIN and COMMIT behind one Sync (db.one_trip)."""
+    several with BEGIN and COMMIT behind one Sync (db.one_trip). `ring`: as send's."""
     if via != "pipeline":
         statements = Trip(conn, functions=via == "functions")
-        sent = [await send(statements, kind) for kind in batch]
+        sent = [await send(statements, kind, ring=ring) for kind in batch]
         await statements.send()
         return sent
     if len(batch) == 1:
-        return [await send(conn, batch[0])]
+        return [await send(conn, batch[0], ring=ring)]
     async with one_trip(conn):
-        return [await send(conn, kind) for kind in batch]
+        return [await send(conn, kind, ring=ring) for kind in batch]
 
 
 async def answers(conn: psycopg.AsyncConnection[Any], kind: list[tuple[Write, Statement]],

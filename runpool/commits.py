@@ -73,6 +73,7 @@ from .batch_sends import (
     send_all,
 )
 from .deadlines import again, bounded
+from .doorbells import Doorbells
 from .errors import DatabaseTimeout
 from .lane_locks import (
     FIRST_WAIT,
@@ -110,6 +111,14 @@ MAX_WAITING: Final = 2
 # The most writes in one transaction: each holds its run's row (share-locked by the fence)
 # until the commit, and a heartbeat skips a locked row, so a batch is kept short.
 MAX_BATCH: Final = 64
+# A group that committed BUSY_COMMITS batches in its last RATE_WINDOW seconds is loaded: its
+# batches then ring their runs' doorbells after they commit (runpool.doorbells), not in their
+# commit, where the notification lock would make each commit wait for the flush of the one
+# before (W11: ~250 commits a second a worker, 1.5 backends waiting on that lock). Below it a
+# write's ring costs no round trip more: rung afterwards, W12's followers (~40 commits a
+# second a worker, in bursts) heard a write 3-6 ms after its commit instead of 1-3.
+BUSY_COMMITS: Final = 15
+RATE_WINDOW: Final = 0.1
 class _Held(Exception):
     """The write's run row is held by another transaction: it polls."""
 
@@ -125,11 +134,17 @@ class _Retry(Exception):
 class CommitGroup:
     """One per worker: checkpoint writes of all its runs, committed in groups under load."""
 
-    def __init__(self, pool: AsyncConnectionPool, *, via: Via | Route = "prepared") -> None:
+    def __init__(self, pool: AsyncConnectionPool, *, via: Via | Route = "prepared",
+                 doorbells: Doorbells | None = None, busy_commits: int = BUSY_COMMITS
+                 ) -> None:
         """`via`: how a batch of first tries goes (batch_sends.send_all): "prepared" on
         worker sessions, "functions" behind a pooler, "pipeline"; a worker's Route, shared
-        with its claims, may fall back from "functions" to "pipeline"."""
+        with its claims, may fall back from "functions" to "pipeline". `doorbells`: what
+        rings the runs of a loaded group's batches once they committed (checkpoints.batch_sql
+        BATCH_EVENT), or one of the group's own; `busy_commits`: the commits in RATE_WINDOW
+        that make the group loaded (0: always)."""
         self._pool = pool
+        self._doorbells = doorbells if doorbells is not None else Doorbells(pool)
         self._route = via if isinstance(via, Route) else Route(via)
         # First tries, batched in MAX_INFLIGHT lanes; and the writes that may wait for a held
         # row, each alone in MAX_WAITING lanes of their own.
@@ -146,6 +161,11 @@ class CommitGroup:
         self.statements = 0
         # Batches rolled back and sent again (a statement failed, or met a held row).
         self.rollbacks = 0
+        # Whether the group is loaded (_loaded), and when its window began with how many
+        # commits made until then.
+        self._busy_commits = busy_commits
+        self._busy = busy_commits <= 0
+        self._window = (0.0, 0)
 
     async def write(self, op: Op, seconds: float, *, what: str,
                     log: dict[str, str] | None = None,
@@ -220,11 +240,14 @@ class CommitGroup:
         # attack); one whose deadline passes meanwhile is answered when the batch ends.
         loop = asyncio.get_running_loop()
         left = max(max(w.deadline for w in batch) - loop.time(), 0.001)
+        # Its batch statements ring their runs' doorbells in its commit unless the group is
+        # loaded; then they are rung after it (see BUSY_COMMITS).
+        ring = not self._loaded(loop.time())
         try:
             if len(batch) > 1:
-                await self._together(batch, left)
+                await self._together(batch, left, ring)
             elif not waiting and _batchable(batch[0].statement):
-                await self._single(batch[0], left)
+                await self._single(batch[0], left, ring)
             else:
                 await self._alone(batch[0], left, waiting)
         except BaseException as exc:
@@ -233,7 +256,7 @@ class CommitGroup:
             if not isinstance(exc, Exception):
                 raise
 
-    async def _single(self, w: Write, seconds: float) -> None:
+    async def _single(self, w: Write, seconds: float, ring: bool) -> None:
         """A first try alone: its batch statement (one row) on its own, in autocommit: one
         statement and one round trip, as the write's single statement would be, but one that
         skips its run row if another transaction holds it (the write then goes again after
@@ -246,7 +269,7 @@ class CommitGroup:
             try:
                 # Not as a trip (send_all): for one statement psycopg's prepared one costs
                 # less (W7, a run's lone writes: p50 2.6 -> 3.0 ms, 18 % more client CPU).
-                cur = await send(conn, kind)
+                cur = await send(conn, kind, ring=ring)
                 self.statements += 1
                 await answers(conn, kind, cur, results)
             except Exception as exc:
@@ -257,6 +280,8 @@ class CommitGroup:
         if results:
             self.commits += 1
             self.writes += 1
+            if not ring:
+                self._doorbells.ring(_rung(results))
             answer(w, result=results[0][1])
         self._requeue([w])  # skipped: again after a pause, or alone
 
@@ -296,9 +321,9 @@ class CommitGroup:
         self.writes += 1
         answer(w, result=result)
 
-    async def _together(self, batch: list[Write], seconds: float) -> None:
+    async def _together(self, batch: list[Write], seconds: float, ring: bool) -> None:
         if all(_batchable(w.statement) for w in batch):  # none waits: see _one_trip
-            await self._one_trip(batch, seconds)
+            await self._one_trip(batch, seconds, ring)
             return
         results: list[tuple[Write, Any]] = []
         piped = [w for w in batch if w.statement is not None]
@@ -312,7 +337,7 @@ class CommitGroup:
                         if w.run_id in held and not _pause(w):
                             w.alone = True  # its run row still held: polls alone, not here
                     if len(piped) > 1:
-                        failed = bool(await self._pipelined(conn, piped, results))
+                        failed = bool(await self._pipelined(conn, piped, results, ring))
                         if failed:
                             raise _Retry
                         piped_ok = len(results)
@@ -351,9 +376,21 @@ class CommitGroup:
         self.commits += 1
         self.writes += len(results)
         self.pipelined += piped_ok
+        if not ring:
+            self._doorbells.ring(_rung(results))
         for w, result in results:
             answer(w, result=result)
         self._requeue(batch)  # those a batch statement skipped: again after a pause, or alone
+
+    def _loaded(self, now: float) -> bool:
+        """Whether the group committed BUSY_COMMITS batches in its last whole RATE_WINDOW (a
+        window is judged when it has ended; one that ended long ago counts none)."""
+        began, commits = self._window
+        if self._busy_commits > 0 and now - began >= RATE_WINDOW:
+            self._busy = (now - began < 2 * RATE_WINDOW
+                          and self.commits - commits >= self._busy_commits)
+            self._window = (now, self.commits)
+        return self._busy
 
     def _requeue(self, batch: list[Write]) -> None:
         """The writes of a batch not answered yet (rolled back, or skipped), first in their
@@ -372,7 +409,7 @@ class CommitGroup:
         self._queue.append(w)
         self._kick()
 
-    async def _one_trip(self, batch: list[Write], seconds: float) -> None:
+    async def _one_trip(self, batch: list[Write], seconds: float, ring: bool) -> None:
         """A batch of first tries (each a Statement) in one round trip and one transaction (a
         batch statement per kind, batch_sends.send_all), then their answers read.
         If the database failed one, nothing was committed: the writes go again one by one."""
@@ -384,8 +421,8 @@ class CommitGroup:
                 # only by transactions holding the run row.
                 batch_kinds = kinds(batch)
                 via = self._route.via if fits_trip(batch) else "pipeline"
-                sent = list(zip(batch_kinds, await send_all(conn, batch_kinds, via=via),
-                                strict=True))
+                sent = list(zip(batch_kinds, await send_all(conn, batch_kinds, via=via,
+                                                            ring=ring), strict=True))
             except FunctionsUnusable as exc:
                 # Rolled back whole: the writes go again, first tries still, the pipeline's way.
                 self.rollbacks += 1
@@ -415,18 +452,20 @@ class CommitGroup:
                 await answers(conn, kind, cur, results)
         self.writes += len(results)
         self.pipelined += len(results)
+        if not ring:
+            self._doorbells.ring(_rung(results))
         for w, result in results:
             answer(w, result=result)
         self._requeue(batch)  # those a batch statement skipped: again after a pause, or alone
 
     async def _pipelined(self, conn: psycopg.AsyncConnection[Any], piped: list[Write],
-                         results: list[tuple[Write, Any]]) -> list[Write]:
+                         results: list[tuple[Write, Any]], ring: bool) -> list[Write]:
         """Send the statements at once, then read their answers into `results`. If the
         database failed one (in a pipeline, the error may surface at any of them): the writes
         to go again one by one, the batch to be rolled back."""
         try:
             async with conn.pipeline():
-                sent = [(kind, await send(conn, kind)) for kind in kinds(piped)]
+                sent = [(kind, await send(conn, kind, ring=ring)) for kind in kinds(piped)]
                 self.statements += len(sent)
                 for kind, cur in sent:
                     await answers(conn, kind, cur, results)
@@ -462,3 +501,9 @@ def _runs(writes: list[Write]) -> list[uuid.UUID]:
 
 def _batchable(statement: Statement | None) -> bool:
     return statement is not None and statement.batch is not None
+
+
+def _rung(results: list[tuple[Write, Any]]) -> list[uuid.UUID]:
+    """The runs whose writes went in batch statements (sent told not to ring: see _flush)."""
+    return [w.statement.params["run_id"] for w, _ in results
+            if w.statement is not None and w.statement.batch is not None]

@@ -33,7 +33,7 @@ async def drain(slots: Slots, runner: SlotRunner | None, pool: AsyncConnectionPo
     def open_ends(*, given_up: bool = True) -> set[asyncio.Task[None]]:
         # Looked at again on every pass: a run forced to its end is done when that end is
         # written (its task may never end), and that write may begin during the drain.
-        ends = {runner.ending(s) if runner is not None else s.task
+        ends = {runner.stops.ending(s) if runner is not None else s.task
                 for s in slots if given_up or not s.given_up}
         return {t for t in ends if not t.done()}
 
@@ -51,7 +51,7 @@ async def drain(slots: Slots, runner: SlotRunner | None, pool: AsyncConnectionPo
     # Decided once: a thread ending after this is left to its lease too (safe either way).
     stuck = [s for s in slots if s.threads_running]
     if stuck and runner is not None:
-        runner.give_up([s for s in stuck if not s.given_up], "outlived the drain")
+        runner.stops.give_up([s for s in stuck if not s.given_up], "outlived the drain")
     held = {s.claimed.id for s in stuck}
     await _release([s for s in unfinished if s.stop_reason is StopReason.SHUTDOWN
                     and s.claimed.id not in held], pool, worker_id=worker_id, log=log)

@@ -38,6 +38,9 @@ logger = logging.getLogger("runpool.outcomes")
 
 # Is the database there at all? (Asked after a batch failed transiently eight times.)
 PROBE: Final = "SELECT 1"
+# A batch's answers: each outcome's run's new status ('busy': its row was held), by (run id,
+# attempt); an outcome without one was fenced (its attempt no longer held the run).
+Statuses = dict[tuple[uuid.UUID, int], str]
 # How soon an outcome whose row someone else held (finish_runs answered 'busy') is written
 # again: after 5 ms, doubling to 0.2 s. The usual holder is another worker's claim, which keeps
 # the lock of a run it passed over (taken since its snapshot) for the few milliseconds of its
@@ -286,9 +289,9 @@ class OutcomeWriter:
             statuses = {}
         self._settle([pending], statuses)
 
-    def _settle(self, batch: list[Pending], statuses: dict[uuid.UUID, str]) -> None:
+    def _settle(self, batch: list[Pending], statuses: Statuses) -> None:
         for pending in batch:
-            status = statuses.get(pending.outcome.run_id)
+            status = statuses.get((pending.outcome.run_id, pending.outcome.attempt))
             if status == "busy":
                 # Its row is held by someone else (finish_runs skips it): write it again soon.
                 delay = min(BUSY_RETRY_FIRST * 2 ** pending.busy, BUSY_RETRY_MAX)
@@ -297,7 +300,7 @@ class OutcomeWriter:
             elif not pending.done.done():
                 pending.done.set_result(status)
 
-    async def _commit(self, batch: list[Pending], refill: bool) -> dict[uuid.UUID, str]:
+    async def _commit(self, batch: list[Pending], refill: bool) -> Statuses:
         """Write a batch, trying again while the failure is transient; the runs' new statuses.
         Raises Unreachable when the database stayed away, or the refusal of the batch."""
         delay = 0.05
@@ -347,7 +350,7 @@ class OutcomeWriter:
         assert last is not None  # every try failed
         raise last
 
-    async def _statement(self, batch: list[Pending], room: int) -> dict[uuid.UUID, str]:
+    async def _statement(self, batch: list[Pending], room: int) -> Statuses:
         outcomes = [p.outcome for p in batch]
         # Runs with serial keys: their keys are released set-based in the batch's transaction.
         serial = any(p.serial for p in batch)
@@ -374,7 +377,8 @@ class OutcomeWriter:
                 finished = await conn.execute(QUERIES["finish_runs"], params)
             # The claimed runs are read (and handed over) only after the commit.
             claimed = await read_claimed(pending) if pending is not None else None
-            statuses = {run_id: status for run_id, status in await finished.fetchall()}
+            statuses = {(run_id, attempt): status
+                        for run_id, attempt, status in await finished.fetchall()}
         if claimed is not None:
             assert self._refill is not None
             self._refill.started(claimed, sent)

@@ -625,10 +625,12 @@ events AS (
 rung AS (
     SELECT count(runpool._ring(id)) AS ended FROM done WHERE status <> 'queued'
 )
-SELECT id, status FROM done CROSS JOIN rung
+-- Each answer names its attempt: a batch may hold an earlier attempt's outcome (its lease
+-- lost while it waited to be written) beside the outcome of the attempt that holds the run.
+SELECT id, attempt, status FROM done CROSS JOIN rung
 UNION ALL
 -- Asked per outcome left out of `free` (usually none), through the primary key.
-SELECT o.id, 'busy'
+SELECT o.id, o.attempt, 'busy'
 FROM outcome o
 WHERE o.id NOT IN (SELECT id FROM free)
   AND (SELECT r.lease_expires_at IS NOT NULL FROM runpool.runs r

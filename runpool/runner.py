@@ -22,6 +22,7 @@ from .commits import CommitGroup
 from .context import Run
 from .control import RunControl
 from .deadlines import again, bounded
+from .doorbells import Doorbells
 from .errors import (
     CODE_ERRORS,
     Fail,
@@ -37,17 +38,11 @@ from .outcomes import Outcome, OutcomeWriter
 from .pooled import Route
 from .progress import Publisher
 from .settings import Settings
-from .slot import Slot, Slots, StopReason
+from .slot import Slot, Slots
+from .stopping import ENDING, Stops, recorded
 from .waits import Suspended
 
 __all__ = ["SlotRunner"]
-
-# The stops that end the run here (recorded by this worker), unlike a lost lease or a drain.
-ENDING = frozenset({StopReason.CANCELLED, StopReason.TIMEOUT, StopReason.DEADLINE})
-# An attempt's outcome as metrics name it: the status its outcome left the run in ('queued':
-# a retry is due).
-_RECORDED = {"succeeded": "succeeded", "failed": "failed", "cancelled": "cancelled",
-             "queued": "retry"}
 
 # The worker's logger: a slot's story is the worker's (operators filter on one name).
 logger = logging.getLogger("runpool.worker")
@@ -70,18 +65,19 @@ class SlotRunner:
         self._slots = slots
         self._log = log
         self._wake = wake
-        self._on_stuck = on_stuck
         self._progress = progress
-        # The forced ends being written (see _force), by slot: a drain waits for them as it
-        # waits for the runs' own tasks (a forced slot's task may never end).
-        self._forcing: dict[Slot, asyncio.Task[None]] = {}
+        # Cancels, overdue runs, lost leases and stuck threads.
+        self.stops = Stops(settings=settings, outcomes=outcomes, slots=slots,
+                           vacate=self._vacate, current=self._current, on_stuck=on_stuck)
         # The linger checks of suspended attempts whose slot is not vacated yet (see
         # _after_suspend): cancelled at the vacate, so 10,000 runs starting to wait keep no
         # slot alive for the grace.
         self._lingering: dict[Slot, asyncio.TimerHandle] = {}
         # Checkpoint writes of all this worker's runs share commits under load.
+        # Rings the runs of the checkpoint batches once committed (see runpool.doorbells).
+        self.doorbells = Doorbells(pool, log=log)
         self._commits = CommitGroup(pool, via=route or (
-            "pipeline" if settings.stateless else "prepared"))
+            "pipeline" if settings.stateless else "prepared"), doorbells=self.doorbells)
         # The worker's loop, taken at the first start (each asyncio.get_running_loop() asks
         # the OS for the process id on Python 3.11: ~0.6 us, six times per run).
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -105,7 +101,7 @@ class SlotRunner:
             # This worker claimed the run again while an earlier attempt of it still ends here:
             # that attempt's lease is gone for sure, whatever its own checks saw so far (the
             # heartbeat answers by run id: it would renew the earlier one from this one's row).
-            self.abandon(earlier, "this worker claimed the run again")
+            self.stops.abandon(earlier, "this worker claimed the run again")
         self._slots.add(slot)
         slot.start(self._execute(slot))
 
@@ -155,12 +151,11 @@ class SlotRunner:
             # lease and its status (never released, never recorded ended).
             await self._threads_finished(slot)
             if outcome is not None and not (self._current(slot) and slot.finish()):
-                # The attempt's end is written without it: forced after the cancel grace (see
-                # `_force`), or fenced (its lease lost, the handler outlived the grace, and the
-                # slot was freed or the run claimed here again). Writing this one too would
-                # count the slot freed a second time for the outcome writer's refill (one slot,
-                # two runs), or share a batch with the newer attempt's outcome, whose status
-                # both would be told (the batch answers by run id).
+                # The attempt's end is written without it: forced after the cancel grace
+                # (see `Stops._force`), or fenced (its lease lost, the handler outlived the
+                # grace, and the slot was freed or the run claimed here again). Writing this
+                # one too would count the slot freed a second time for the outcome writer's
+                # refill (one slot, two runs).
                 logger.info("run %s attempt %d: the handler returned after its end was"
                             " written; its %s is not recorded", slot.claimed.id,
                             slot.claimed.attempt, outcome.kind,
@@ -175,7 +170,7 @@ class SlotRunner:
                 status = await self._outcomes.submit(
                     outcome, serial=slot.claimed.serial_key is not None)
                 metrics.attempt_ended(
-                    slot.claimed.handler, _RECORDED.get(status or "", "not_recorded"),
+                    slot.claimed.handler, recorded(status),
                     loop.time() - slot.started)
                 if status == "queued":
                     # Our own retry is due after its backoff: look again then, not at the poll.
@@ -251,7 +246,7 @@ class SlotRunner:
             if slot.control.suspended:
                 return self._suspended(slot)
             if slot.stop_reason in ENDING:
-                return self._stopped_outcome(slot)
+                return self.stops.outcome(slot)
             # lease_lost: another attempt may own the run now; shutdown: released by the drain.
             if slot.stop_reason is None:
                 task = asyncio.current_task()
@@ -264,19 +259,19 @@ class SlotRunner:
             if slot.control.suspended:
                 return self._suspended(slot)
             # The run is someone else's now; nothing of this attempt may be written.
-            self.abandon(slot, "a checkpoint write found the lease taken", cancel=False)
+            self.stops.abandon(slot, "a checkpoint write found the lease taken", cancel=False)
             return None
         except CODE_ERRORS as exc:
             if slot.control.suspended:
                 return self._suspended(slot)
             if slot.stop_reason in ENDING:
                 # E.g. a plain handler's tool_sync refusing to start a call after the cancel.
-                return self._stopped_outcome(slot)
+                return self.stops.outcome(slot)
             return self._raised(slot, exc, handler.no_retry)
         if slot.control.suspended:
             return self._suspended(slot)
         if slot.control.cancelled:
-            return self._stopped_outcome(slot)
+            return self.stops.outcome(slot)
         return outcomes.from_result(c.id, c.attempt, result, max_bytes=s.max_result_bytes)
 
     def _raised(self, slot: Slot, exc: BaseException,
@@ -340,116 +335,3 @@ class SlotRunner:
             # jsonb holds values the decoder refuses (nesting past 1,024 levels): every
             # attempt would meet them, so the run fails now instead of retrying.
             raise InvalidInput(f"the run's history cannot be decoded: {exc}") from None
-
-    # -- stopping ----------------------------------------------------------------------------
-
-    def cancel(self, slot: Slot) -> None:
-        """A cancel of the run is confirmed: its task is cancelled; a handler still going
-        after the cancel grace is recorded cancelled anyway (see `_force`)."""
-        if not slot.request_cancel():
-            return
-        metrics.cancelled(slot.claimed.handler)
-        logger.info("cancelling run %s", slot.claimed.id,
-                    extra={"action": "run_cancelling", **slot.extra})
-        asyncio.get_running_loop().call_later(
-            self._settings.cancel_grace_seconds, self._force_later, slot)
-
-    def overdue(self, slot: Slot, reason: str) -> None:
-        """The database's clock says the attempt passed its timeout ('timeout') or the run its
-        deadline ('deadline_exceeded'): stopped as a cancel is (the handler gets its
-        cancellation and the cancel grace), then recorded as that failure."""
-        if not slot.expire(StopReason(reason)):
-            return
-        logger.info("stopping run %s: %s", slot.claimed.id, reason,
-                    extra={"action": "run_overdue", "reason": reason, **slot.extra})
-        asyncio.get_running_loop().call_later(
-            self._settings.cancel_grace_seconds, self._force_later, slot)
-
-    def _stopped_outcome(self, slot: Slot) -> Outcome:
-        """What a run stopped by the worker (not lost, not released) amounts to."""
-        c = slot.claimed
-        if slot.stop_reason is StopReason.TIMEOUT:
-            return outcomes.retry_after(
-                c.id, c.attempt, c.attempts_used, self._settings.retry_backoff_seconds,
-                outcomes.error_doc("timeout", "the attempt ran past its timeout"))
-        if slot.stop_reason is StopReason.DEADLINE:
-            return outcomes.failed(c.id, c.attempt, "deadline_exceeded",
-                                   "the run ran past its deadline")
-        return _cancelled_outcome(slot)
-
-    def _force_later(self, slot: Slot) -> None:
-        task = asyncio.get_running_loop().create_task(self._force(slot))
-        self._forcing[slot] = task
-        task.add_done_callback(lambda _: self._forcing.pop(slot, None))
-
-    def ending(self, slot: Slot) -> asyncio.Task[None]:
-        """What ends the slot's run here: the worker's write of its forced end, if one is
-        under way, else the run's own task."""
-        forcing = self._forcing.get(slot)
-        # (Its entry goes a loop turn after it ends: an ended write is no longer the end.)
-        return forcing if forcing is not None and not forcing.done() else slot.task
-
-    async def _force(self, slot: Slot) -> None:
-        """The handler ignored cancellation past its grace: record it cancelled and free the
-        slot; whatever the handler does later is fenced. A thread cannot be stopped, though:
-        while one of the run's threads runs, the worker exits instead (see `give_up`)."""
-        if not self._current(slot) or slot.finishing:
-            return
-        if slot.threads_running:
-            self.stuck_check(slot, "ignored its cancellation past the cancel grace")
-            return
-        slot.finish(forced=True)
-        try:
-            status = await self._outcomes.submit(self._stopped_outcome(slot),
-                                                 serial=slot.claimed.serial_key is not None)
-            metrics.attempt_ended(slot.claimed.handler,
-                                  _RECORDED.get(status or "", "not_recorded"),
-                                  asyncio.get_running_loop().time() - slot.started)
-        finally:
-            # Not before: until the end is written the run holds its slot, and the handler's
-            # task ending meanwhile must not free it (see _execute_traced).
-            self._vacate(slot)
-
-    def abandon(self, slot: Slot, why: str, *, cancel: bool = True) -> None:
-        """Stop a run whose lease is (or may be) lost: every later write of it is fenced."""
-        if not slot.abandon(cancel_task=cancel):
-            return
-        metrics.lease_lost(slot.claimed.handler)
-        logger.warning("lease lost for run %s: %s", slot.claimed.id, why,
-                       extra={"action": "lease_lost", **slot.extra})
-        asyncio.get_running_loop().call_later(
-            self._settings.cancel_grace_seconds, self.stuck_check, slot,
-            "outlived the loss of its lease by the cancel grace", True)
-
-    def stuck_check(self, slot: Slot, why: str, lost: bool = False) -> None:
-        """Past a grace period: a run whose thread still runs makes this worker exit (`lost`:
-        the run's lease is gone, so it exits at once, releasing its other runs)."""
-        if not self._slots.holds(slot):
-            return
-        if slot.threads_running:
-            self.give_up([slot], why, hurry=lost)
-        elif lost and not slot.finishing:
-            # An async handler that swallowed its cancellation: the run is someone else's now
-            # and every write of this attempt is fenced, so the slot is freed (as a forced
-            # cancel frees it) instead of being held forever; the task ends when it ends.
-            logger.error("run %s: the handler %s; its slot is freed", slot.claimed.id, why,
-                         extra={"action": "slot_forced_free", **slot.extra})
-            self._vacate(slot)
-
-    def give_up(self, slots: list[Slot], why: str, *, hurry: bool = False) -> None:
-        """A thread cannot be stopped, and its run may not run anywhere else meanwhile: this
-        worker stops claiming, drains its other runs, keeps renewing the stuck runs' leases,
-        and exits (EXIT_STUCK) so their threads end with the process. Their leases then expire
-        and the reaper reclaims them (or records them cancelled, if a cancel was requested)."""
-        for slot in slots:
-            slot.give_up()
-            logger.error(
-                "run %s: a handler thread %s and cannot be stopped; this worker exits when"
-                " its other runs are done, and the run is reclaimed when its lease expires",
-                slot.claimed.id, why, extra={"action": "thread_stuck", **slot.extra})
-        self._on_stuck(hurry)
-
-
-def _cancelled_outcome(slot: Slot) -> Outcome:
-    return Outcome(slot.claimed.id, slot.claimed.attempt, "cancelled",
-                   error=outcomes.error_doc("cancelled", "cancelled on request"))

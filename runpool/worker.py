@@ -145,8 +145,8 @@ class Worker:
                 progress=progress, route=self._route)
             self._leases = LeaseKeeper(
                 settings=s, dsn=self.dsn, worker_id=self.id, pool=self._pool, slots=self.slots,
-                touch=self._touch, on_cancel=self._cancel, on_lost=self._runner.abandon,
-                on_overdue=self._runner.overdue)
+                touch=self._touch, on_cancel=self._cancel, on_lost=self._runner.stops.abandon,
+                on_overdue=self._runner.stops.overdue)
             side.append(asyncio.create_task(writer.run(), name="outcomes"))
             side.append(asyncio.create_task(progress.run(), name="progress"))
             side.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
@@ -380,7 +380,7 @@ class Worker:
     def _cancel(self, slot: Slot) -> None:
         """A cancel of the slot's run is confirmed (a notice checked, or the heartbeat's flag)."""
         assert self._runner is not None  # a slot exists only once the runner does
-        self._runner.cancel(slot)
+        self._runner.stops.cancel(slot)
 
     async def _heartbeat_loop(self) -> None:
         assert self._leases is not None
@@ -403,3 +403,7 @@ class Worker:
     async def _drain(self, abort: asyncio.Event) -> None:
         await drain(self.slots, self._runner, self._pool, hurry=(abort, self._hurry),
                     grace=self.settings.grace_seconds, worker_id=self.id, log=self._log)
+        if self._runner is not None and not (abort.is_set() or self._hurry.is_set()):
+            # The last writes' doorbells, rung before the pool closes under them (not by a
+            # worker told to hurry: a lost ring only leaves its followers to their poll).
+            await self._runner.doorbells.close()

@@ -175,7 +175,7 @@ async def _churning_claimer(dsn: str, seed: int, max_limit: int) -> None:
             cut = rnd.randint(0, len(held))
             if cut:
                 cur = await c.execute(QUERIES["finish_runs"], finish_params(held[:cut]))
-                busy = {row[0] for row in await cur.fetchall() if row[1] == "busy"}
+                busy = {row[0] for row in await cur.fetchall() if row[2] == "busy"}
                 held = [h for h in held[:cut] if h[0] in busy] + held[cut:]
 
 

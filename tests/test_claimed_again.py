@@ -2,7 +2,7 @@
 expired in the database, the reaper queued it, and this worker's claim took it): the earlier
 attempt keeps its slot until it ends, is given up as lost at once (the heartbeat answers by run
 id, so it would otherwise be renewed from the new attempt's row), and what it returns at last is
-not written (a batch answers by run id: both attempts would be told the new one's status).
+not written (its slot was already counted free).
 The worker's own SlotRunner on a real pool; the attempts are built here, not claimed."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 
 import runpool
-from runpool.db import open_pool
+from runpool import outcomes
+from runpool.db import connect, open_pool
+from runpool.enqueue import enqueue
 from runpool.outcomes import OutcomeWriter
 from runpool.runner import SlotRunner
 from runpool.settings import Settings
@@ -83,3 +85,38 @@ def test_claimed_again__the_earlier_attempt_keeps_its_slot_is_lost_and_writes_no
         asyncio.run(main())
     actions = [getattr(r, "action", "") for r in caplog.records]
     assert "lease_lost" in actions and "late_outcome_dropped" in actions
+
+
+def test_two_attempts_outcomes_in_one_batch__each_is_told_its_own(dsn: str) -> None:
+    """An earlier attempt's outcome, submitted before its lease was lost, and the outcome of
+    the attempt that holds the run now, written in one batch: the earlier one is fenced (told
+    None), the current one told its status. (finish_runs answered by run id: both were told
+    the current attempt's status, and the earlier one's metrics and log said it succeeded.)"""
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "noop")
+        conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 2,"
+                     " started_at = now(), lease_expires_at = now() + interval '1 hour'"
+                     " WHERE id = %s", (run_id,))
+
+    async def main() -> list[str | None]:
+        pool = await open_pool(dsn, size=2, name="test-two-attempts")
+        writer = OutcomeWriter(pool, worker_id=uuid.uuid4())
+        try:
+            # Both queued before the writer runs: they go in its first batch.
+            told = [asyncio.create_task(writer.submit(outcomes.from_result(
+                run_id, attempt, f"attempt {attempt}", max_bytes=1 << 20)))
+                for attempt in (1, 2)]
+            await asyncio.sleep(0)
+            writing = asyncio.create_task(writer.run())
+            try:
+                return await asyncio.wait_for(asyncio.gather(*told), 20)
+            finally:
+                writing.cancel()
+                await asyncio.gather(writing, return_exceptions=True)
+        finally:
+            await pool.close()
+
+    assert asyncio.run(main()) == [None, "succeeded"]
+    with connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT status, result FROM runpool.runs WHERE id = %s",
+                            (run_id,)).fetchone() == ("succeeded", "attempt 2")

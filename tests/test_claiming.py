@@ -93,7 +93,7 @@ def test_claim__reclaimed_only_after_a_reap_not_a_retry_or_release__and_the_queu
     # A failed attempt retried at once, and one released by a draining worker.
     params = {**finish_params([(retried, 1)]), "outcomes": ["retry"],
               "errors": [Jsonb({"reason": "boom"})]}
-    assert conn.execute(QUERIES["finish_runs"], params).fetchall() == [(retried, "queued")]
+    assert conn.execute(QUERIES["finish_runs"], params).fetchall() == [(retried, 1, "queued")]
     conn.execute(QUERIES["release_runs"], {"ids": [released], "attempts": [1],
                                            "worker_id": worker_id})
     second = asyncio.run(claim_all())
@@ -163,7 +163,7 @@ def test_finish__fenced_by_attempt(conn: psycopg.Connection) -> None:
     assert stale == []
     assert run_row(conn, run_id)["status"] == "running"
     assert conn.execute(QUERIES["finish_runs"], finish_params([(run_id, 2)])).fetchall() == [
-        (run_id, "succeeded")]
+        (run_id, 2, "succeeded")]
 
 
 def test_claim__without_promote_a_due_run_waits_for_a_claim_that_promotes(

@@ -15,8 +15,10 @@ from psycopg_pool import AsyncConnectionPool
 
 from runpool.commits import MAX_INFLIGHT, CommitGroup
 from runpool.context import Run
-from runpool.db import connect, open_pool
+from runpool.db import aconnect, connect, open_pool
+from runpool.doorbells import Doorbells
 from runpool.enqueue import RunSpec, enqueue_many
+from runpool.live import channel
 from runpool.pooled import Route
 from runpool.trips import HOT_STATEMENTS, Via
 
@@ -45,12 +47,19 @@ def _held(dsn: str, n: int) -> list[uuid.UUID]:
 
 async def _write_all(dsn: str, ids: list[uuid.UUID], *, via: Via | Route) -> tuple[int, int]:
     """Every run writes each HOSTILE content as a message, all at once through one group;
-    the group's commits, and how many pool sessions prepared the batch statements."""
+    the group's commits, and how many pool sessions prepared the batch statements. Each
+    run's doorbell was rung once its writes committed (the batch statements ring none)."""
     size = MAX_INFLIGHT + 1
     pool: AsyncConnectionPool = await open_pool(dsn, size=size, name="commit-trips",
                                                 stateless=via != "prepared")
+    listener = await aconnect(dsn, autocommit=True)
     try:
-        group = CommitGroup(pool, via=via)
+        for run_id in ids:
+            await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel(run_id))))
+        bells = Doorbells(pool)
+        # Every batch rings after its commit (as a loaded worker's do), so that every
+        # run's doorbell rings through `bells`.
+        group = CommitGroup(pool, via=via, doorbells=bells, busy_commits=0)
 
         async def agent(run_id: uuid.UUID) -> None:
             run = Run(id=run_id, tenant="acme", handler="agent", attempt=1, input={},
@@ -59,6 +68,14 @@ async def _write_all(dsn: str, ids: list[uuid.UUID], *, via: Via | Route) -> tup
                 await run.add_message("assistant", content)
 
         await asyncio.wait_for(asyncio.gather(*(agent(r) for r in ids)), 60)
+        await bells.close()
+        unheard = {channel(r) for r in ids}
+        async for notice in listener.notifies(timeout=10):
+            unheard.discard(notice.channel)
+            if not unheard:
+                break
+        assert not unheard, f"{len(unheard)} of {len(ids)} runs' doorbells never rang"
+        assert bells.rings <= group.commits, (bells.rings, group.commits)  # rung together
         # Every session of the pool at once, each asked what it prepared.
         conns = [await pool.getconn(timeout=10) for _ in range(size)]
         try:
@@ -69,6 +86,7 @@ async def _write_all(dsn: str, ids: list[uuid.UUID], *, via: Via | Route) -> tup
                 await pool.putconn(c)
         return group.commits, sum(1 for n in prepared if n)
     finally:
+        await listener.close()
         await pool.close()
 
 

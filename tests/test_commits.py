@@ -154,7 +154,7 @@ class _Statement:
     batch: None = None
     row: bytes = b""
 
-    def batch_params(self, rows: list[bytes]) -> dict[str, Any]:
+    def batch_params(self, rows: list[bytes], *, ring: bool = True) -> dict[str, Any]:
         raise AssertionError("a write without a batch form is never batched")
 
 

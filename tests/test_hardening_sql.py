@@ -97,9 +97,10 @@ def test_defect2_finish__a_row_a_caller_holds_is_busy_and_the_rest_of_the_batch_
         _bounded(writer)
         assert scalar(caller, "SELECT runpool.cancel_run(%s, 'x', 'acme')", a) == "cancelling"
         assert sorted(writer.execute(QUERIES["finish_runs"], params).fetchall(),
-                      key=lambda r: r[0] != a) == [(a, "busy"), (b, "succeeded")]
+                      key=lambda r: r[0] != a) == [(a, 1, "busy"), (b, 1, "succeeded")]
         caller.commit()
-        assert writer.execute(QUERIES["finish_runs"], params).fetchall() == [(a, "succeeded")]
+        assert writer.execute(QUERIES["finish_runs"], params).fetchall() == [
+            (a, 1, "succeeded")]
 
 
 def test_defect2_outcome_writer__writes_a_busy_outcome_again_once_the_caller_commits(

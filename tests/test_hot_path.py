@@ -59,8 +59,8 @@ def test_finish_params__store_awkward_results_and_errors_exactly(
     last_id, last_attempt = runs[-1]
     outcomes.append(retry_after(last_id, last_attempt, 1, 60.0,
                                 dumps({"reason": "exception", "message": 'say "\\n"'})))
-    statuses: dict[uuid.UUID, str] = dict(
-        conn.execute(QUERIES["finish_runs"], finish_params(outcomes)).fetchall())
+    statuses: dict[uuid.UUID, str] = {run_id: status for run_id, _, status in conn.execute(
+        QUERIES["finish_runs"], finish_params(outcomes)).fetchall()}
     assert statuses == {**{r: "succeeded" for r, _ in runs[:-1]}, last_id: "queued"}
     stored: dict[uuid.UUID, Any] = dict(conn.execute(
         "SELECT id, result FROM runpool.runs WHERE status = 'succeeded'").fetchall())

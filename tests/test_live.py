@@ -82,6 +82,36 @@ def test_follow__live_replay_and_a_resumed_stream_agree_nothing_missed_nothing_t
     assert asyncio.run(_collect(dsn, run_id, after=replay[-1].seq)) == []
 
 
+def test_follow__a_workers_checkpoint_writes_wake_the_follower_long_before_its_poll(
+        dsn: str) -> None:
+    """A worker's checkpoint writes go in batch statements that ring no doorbell; the worker
+    rings the run's after they commit (runpool.doorbells). A follower whose next poll is a
+    minute away hears the run's message and tool call while the run still runs."""
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "chatty", {"steps": 2, "gap": 120})
+
+        async def main() -> list[runpool.RunEvent]:
+            async with await aconnect(dsn, autocommit=True) as aconn:
+                stream = runpool.follow(aconn, run_id, poll=60)
+                # Read (and listening) before any worker runs: what follows must be rung.
+                first = await anext(stream)
+                assert first.data["status"] == "queued"
+                got: list[runpool.RunEvent] = []
+                with running_pool(dsn):
+                    while not any(e.kind == "tool_call" and e.data["status"] == "succeeded"
+                                  for e in got):
+                        got.append(await asyncio.wait_for(anext(stream), 20))
+                    assert status_of(conn, run_id) == "running"  # its 120 s gap has begun
+                    conn.execute("SELECT runpool.cancel_run(%s)", (run_id,))
+                    got.extend([e async for e in stream])
+                return got
+
+        got = asyncio.run(asyncio.wait_for(main(), 60))
+    kinds = [(e.kind, e.data.get("status")) for e in got if e.kind != "progress"]
+    assert ("message", None) in kinds and ("tool_call", "started") in kinds, kinds
+    assert kinds[-1] == ("status", "cancelled"), kinds
+
+
 def test_follow__across_a_sigkill_and_reclaim(dsn: str) -> None:
     with connect(dsn, autocommit=True) as conn, running_pool(dsn, lease_seconds=2):
         run_id = enqueue(conn, "acme", "chatty", {"steps": 8, "gap": 0.3})

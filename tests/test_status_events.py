@@ -81,7 +81,7 @@ def test_old_and_new_statements_number_one_run_in_one_order(dsn: str) -> None:
         run_id = enqueue(conn, "acme", "noop", max_attempts=3)
         conn.execute(OLD_CLAIM, (worker, run_id))
         assert _finish(conn, run_id, 1, "retry", {"reason": "boom", "message": "x"}) == [
-            (run_id, "queued")]
+            (run_id, 1, "queued")]
         conn.execute(OLD_CLAIM, (worker, run_id))
         # A checkpoint's seq (the run's counter row from now on).
         assert scalar(conn, "SELECT runpool._next_event_seq(%s)", run_id) == 5
@@ -89,7 +89,7 @@ def test_old_and_new_statements_number_one_run_in_one_order(dsn: str) -> None:
         assert _finish(conn, run_id, 1, "succeeded") == []
         assert scalar(conn, "SELECT seq FROM runpool.event_seqs WHERE run_id = %s", run_id) == 5
         assert _finish(conn, run_id, 2, "failed", {"reason": "bad", "message": "y"}) == [
-            (run_id, "failed")]
+            (run_id, 2, "failed")]
         assert _finish(conn, run_id, 2, "succeeded") == []
         assert _rows(conn, "status_events", run_id) == [(2, "running", None), (4, "running", None)]
         assert _rows(conn, "run_events", run_id) == [(3, "queued", "boom"), (6, "failed", "bad")]

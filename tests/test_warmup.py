@@ -36,7 +36,7 @@ def test_plan_ahead__the_first_claim_and_finish_use_the_plans_made_when_the_sess
     handlers = ["noop", "other"]
 
     async def main() -> tuple[dict[str, int], dict[str, int], list[uuid.UUID],
-                              list[tuple[uuid.UUID, str]]]:
+                              list[tuple[uuid.UUID, int, str]]]:
         pool = await open_pool(dsn, size=1, name="warmup-test", prepare=functools.partial(
             plan_ahead, worker_id=worker, lease_seconds=30.0, handlers=handlers))
         try:
@@ -67,7 +67,7 @@ def test_plan_ahead__the_first_claim_and_finish_use_the_plans_made_when_the_sess
     assert after == before | {"runpool_lock_tenants": 2, "runpool_claim_runs": 2,
                               "runpool_finish_runs": 2}
     assert sorted(claimed) == sorted(ids)
-    assert sorted(finished) == sorted((i, "succeeded") for i in ids)
+    assert sorted(finished) == sorted((i, 1, "succeeded") for i in ids)
 
 
 def test_plan_ahead__claims_and_writes_nothing(dsn: str, conn: psycopg.Connection[Any]) -> None:
