@@ -19,10 +19,17 @@ this rings their runs afterwards:
 A worker that is not loaded still rings in its writes' commits: ringing here costs a checkout
 and a round trip, which put W12's follow p50 at 3-7 ms against 1-3 ms.
 
-A ring that fails (the database away, the worker stopping) is not repeated: followers and
-waiters poll as well, so a lost ring delays them by at most their `poll` (the live-runs
-contract). Writes made by anyone else (the checkpoints API on a caller's connection, an
-operator's UPDATE, resolve_tool_call) ring in their own transactions.
+A ring that fails (a cut connection, a failover) is sent again, up to TRIES times in all
+(ringing twice costs a follower one read); then its runs are dropped, said at WARNING
+(`doorbells_dropped`): followers and waiters poll as well, so a lost ring delays them by at
+most their `poll` (the live-runs contract). A worker killed between a commit and its ring
+loses the ring likewise. A closing worker (its drain done) does not try again. Writes made by
+anyone else (the checkpoints API on a caller's connection, an operator's UPDATE,
+resolve_tool_call) ring in their own transactions.
+
+What a ring costs besides: a NOTIFY needs a transaction id, so each ring takes one and
+writes a commit record (at most 200 a second a worker: a loaded pool's autovacuum freezes
+that much sooner).
 """
 
 from __future__ import annotations
@@ -48,8 +55,12 @@ RING: Final = """
 SELECT count(runpool._ring(r.id)), pg_catalog.set_config('synchronous_commit', 'off', true)
 FROM unnest(%(ids)s::text::uuid[]) AS r(id)
 """
-# How long one ring may take before it is given up (the runs' followers then poll).
+# How long one ring may take before it is given up, how many times a run's ring is sent in
+# all before it is dropped (the runs' followers then poll), and the pause before a failed
+# ring's runs go again (with the runs written meanwhile).
 RING_SECONDS: Final = 5.0
+TRIES: Final = 3
+RETRY_PAUSE: Final = 0.1
 # The rings a worker sends at once after a quiet spell, and the time from one to the next
 # past them: at most 200 a second under sustained load (W11 rang ~0.55 times a turn without a
 # bound, each ring ~0.17 ms of worker CPU and a commit). A follower of a loaded worker hears a
@@ -65,13 +76,17 @@ class Doorbells:
         self._pool = pool
         self._log = log or {}
         self._due: set[uuid.UUID] = set()
+        # Runs whose ring failed, and how many times (until rung, or dropped at TRIES).
+        self._failed: dict[uuid.UUID, int] = {}
+        self._closing = False
         self._task: asyncio.Task[None] | None = None
         # The rings that may go at once, as of `_at` (the loop's clock): BURST, less one a
         # ring, plus one every GAP.
         self._tokens = float(BURST)
         self._at = 0.0
-        # Rings sent, and the runs rung by those that succeeded (the tests' view).
+        # Rings sent, those that failed, and the runs rung by the others (the tests' view).
         self.rings = 0
+        self.failures = 0
         self.rung = 0
 
     def ring(self, run_ids: Iterable[uuid.UUID]) -> None:
@@ -97,15 +112,37 @@ class Doorbells:
                     async with bounded(self._pool, RING_SECONDS) as conn:
                         await conn.execute(RING, {"ids": _array(ids)})
                 except Exception as exc:
-                    logger.debug("ringing %d runs' doorbells failed: %r", len(ids), exc,
-                                 extra={"action": "doorbell_failed", **self._log})
+                    self.failures += 1
+                    self._again(ids, exc)
+                    await asyncio.sleep(RETRY_PAUSE)
                 else:
                     self.rung += len(ids)
+                    if self._failed:
+                        for run_id in ids:
+                            self._failed.pop(run_id, None)
         finally:
             self._task = None
 
+    def _again(self, ids: set[uuid.UUID], exc: Exception) -> None:
+        """A ring failed: its runs go again with the next, unless they have had TRIES."""
+        dropped = 0
+        for run_id in ids:
+            tries = self._failed.get(run_id, 0) + 1
+            if tries >= TRIES or self._closing:
+                self._failed.pop(run_id, None)
+                dropped += 1
+            else:
+                self._failed[run_id] = tries
+                self._due.add(run_id)
+        if dropped:
+            logger.warning("%d runs' doorbells were not rung (%r): their followers see their"
+                           " last writes at their next poll", dropped, exc,
+                           extra={"action": "doorbells_dropped", "runs": dropped, **self._log})
+
     async def close(self) -> None:
-        """Ring what is due (a draining worker's last writes), then stop."""
+        """Ring what is due (a draining worker's last writes); from now on a ring that fails
+        is not sent again."""
+        self._closing = True
         task = self._task
         if task is not None:
             await asyncio.shield(task)
