@@ -151,13 +151,16 @@ class Slot:
 
     def abandon(self, *, cancel_task: bool = True) -> bool:
         """The lease is (or may be) lost: every later write of the attempt is fenced, and its
-        task is cancelled unless `cancel_task` is False (it is ending by itself). False if the
-        lease was already given up."""
+        task is cancelled unless `cancel_task` is False (it is ending by itself), or its
+        outcome is being written (by the task itself: the handler is done, and the write,
+        fenced now, ends soon). Cancelled there, the task would free the slot while the
+        outcome writer's batch in flight already counted it freed for its refill: one slot,
+        two runs. False if the lease was already given up."""
         if self._stop is StopReason.LEASE_LOST:
             return False
         self._stop = StopReason.LEASE_LOST
         self.control.lose()
-        if cancel_task:
+        if cancel_task and not (self._finishing and not self._forced):
             self.task.cancel()
         return True
 

@@ -16,12 +16,13 @@ import pytest
 
 import runpool
 from runpool import outcomes
-from runpool.db import connect, open_pool
+from runpool.db import aconnect, connect, open_pool
 from runpool.enqueue import enqueue
 from runpool.outcomes import OutcomeWriter
 from runpool.runner import SlotRunner
 from runpool.settings import Settings
 from runpool.slot import Slots, StopReason
+from tests.helpers import until
 from tests.test_slot import claimed
 
 
@@ -120,3 +121,71 @@ def test_two_attempts_outcomes_in_one_batch__each_is_told_its_own(dsn: str) -> N
     with connect(dsn, autocommit=True) as conn:
         assert conn.execute("SELECT status, result FROM runpool.runs WHERE id = %s",
                             (run_id,)).fetchone() == ("succeeded", "attempt 2")
+
+
+def test_claimed_again_while_the_earlier_outcome_is_written__its_slot_waits_for_the_write(
+        dsn: str) -> None:
+    """The earlier attempt returned and its outcome's write is in flight (held by a lock on
+    the run's event counter row, which the write's counter bump waits for) when the run is
+    claimed here again: the earlier attempt is lost, but its task is not cancelled; its slot
+    is freed once, when the write (fenced) ends. Cancelled, it freed the slot at once, while
+    the writer's batch had counted it freed for its refill already."""
+    app = runpool.App()
+
+    @app.handler("h")
+    async def quick(run: runpool.Run) -> Any:
+        if run.attempt == 1:
+            return "done"
+        await asyncio.sleep(3600)
+
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "noop")
+        conn.execute("UPDATE runpool.runs SET status = 'running', attempt = 1,"
+                     " started_at = now(), lease_expires_at = now() + interval '1 hour'"
+                     " WHERE id = %s", (run_id,))
+        conn.execute("INSERT INTO runpool.event_seqs (run_id, seq)"
+                     " SELECT id, event_seq FROM runpool.runs WHERE id = %s", (run_id,))
+
+    async def main() -> None:
+        pool = await open_pool(dsn, size=2, name="test-claimed-again")
+        writer = OutcomeWriter(pool, worker_id=uuid.uuid4())
+        slots = Slots()
+        runner = SlotRunner(settings=Settings(dsn=dsn, cancel_grace_seconds=60), app=app,
+                            pool=pool, outcomes=writer, slots=slots, log={},
+                            wake=lambda: None, on_stuck=lambda hurry: None)
+        writing = asyncio.create_task(writer.run())
+        locker = await aconnect(dsn)
+        try:
+            await locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s"
+                                 " FOR UPDATE", (run_id,))
+            loop = asyncio.get_running_loop()
+            runner.start(claimed(run_id, attempt=1), loop.time())
+            (old,) = slots
+            await until(lambda: old.finishing and _waiting_for_a_lock(dsn),
+                        "the outcome's write held in flight")
+            runner.start(claimed(run_id, attempt=2), loop.time())
+            new = slots.get(run_id)
+            assert new is not old and old.stop_reason is StopReason.LEASE_LOST
+            assert not old.task.cancelling()  # (abandon cancels synchronously, if at all)
+            assert not old.task.done() and slots.holds(old) and len(slots) == 2
+            await locker.rollback()
+            await asyncio.wait_for(old.task, 10)
+            assert not old.task.cancelled()
+            assert len(slots) == 1 and not slots.holds(old) and slots.get(run_id) is new
+            assert new is not None
+            new.task.cancel()
+            await asyncio.gather(new.task, return_exceptions=True)
+        finally:
+            await locker.close()
+            writing.cancel()
+            await asyncio.gather(writing, return_exceptions=True)
+            await pool.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def _waiting_for_a_lock(dsn: str) -> bool:
+    with connect(dsn, autocommit=True) as conn:
+        return bool(conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock'").fetchone() == (1,))
