@@ -19,11 +19,13 @@ this rings their runs afterwards:
 A worker that is not loaded still rings in its writes' commits: ringing here costs a checkout
 and a round trip, which put W12's follow p50 at 3-7 ms against 1-3 ms.
 
-A ring that fails (a cut connection, a failover) is sent again, up to TRIES times in all
-(ringing twice costs a follower one read); then its runs are dropped, said at WARNING
-(`doorbells_dropped`): followers and waiters poll as well, so a lost ring delays them by at
-most their `poll` (the live-runs contract). A worker killed between a commit and its ring
-loses the ring likewise. A closing worker (its drain done) does not try again. Writes made by
+A ring that fails (a cut connection, a failover) is sent again after a pause growing from
+RETRY_PAUSE, up to TRIES times in all for a run (counted afresh when the run writes again;
+ringing twice costs a follower one read); then its runs are dropped, said at WARNING
+(`doorbells_dropped`, one line a failed ring): followers and waiters poll as well, so a lost
+ring delays them by at most their `poll` (the live-runs contract). A worker killed between a
+commit and its ring loses the ring likewise. A closing worker (its drain done) drops what is
+due at the first failure: its exit must not wait for rings. Writes made by
 anyone else (the checkpoints API on a caller's connection, an operator's UPDATE,
 resolve_tool_call) ring in their own transactions.
 
@@ -35,6 +37,7 @@ that much sooner).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from collections.abc import Iterable
@@ -59,8 +62,9 @@ FROM unnest(%(ids)s::text::uuid[]) AS r(id)
 # all before it is dropped (the runs' followers then poll), and the pause before a failed
 # ring's runs go again (with the runs written meanwhile).
 RING_SECONDS: Final = 5.0
-TRIES: Final = 3
+TRIES: Final = 4
 RETRY_PAUSE: Final = 0.1
+RETRY_PAUSE_MAX: Final = 2.0
 # The rings a worker sends at once after a quiet spell, and the time from one to the next
 # past them: at most 200 a second under sustained load (W11 rang ~0.55 times a turn without a
 # bound, each ring ~0.17 ms of worker CPU and a commit). A follower of a loaded worker hears a
@@ -78,6 +82,7 @@ class Doorbells:
         self._due: set[uuid.UUID] = set()
         # Runs whose ring failed, and how many times (until rung, or dropped at TRIES).
         self._failed: dict[uuid.UUID, int] = {}
+        self._pause = RETRY_PAUSE  # after the next failure (RETRY_PAUSE again after a success)
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         # The rings that may go at once, as of `_at` (the loop's clock): BURST, less one a
@@ -91,9 +96,15 @@ class Doorbells:
 
     def ring(self, run_ids: Iterable[uuid.UUID]) -> None:
         """Ring these runs' doorbells soon (their writes committed)."""
+        if self._failed:  # (a new write: its run's ring gets its tries afresh)
+            run_ids = list(run_ids)
+            for run_id in run_ids:
+                self._failed.pop(run_id, None)
         self._due.update(run_ids)
         if self._due and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._ring_due())
+            # In a context of its own: not the run's whose write started it (its log fields).
+            self._task = asyncio.get_running_loop().create_task(
+                self._ring_due(), context=contextvars.Context())
 
     async def _ring_due(self) -> None:
         loop = asyncio.get_running_loop()
@@ -114,8 +125,10 @@ class Doorbells:
                 except Exception as exc:
                     self.failures += 1
                     self._again(ids, exc)
-                    await asyncio.sleep(RETRY_PAUSE)
+                    await asyncio.sleep(self._pause)
+                    self._pause = min(self._pause * 4, RETRY_PAUSE_MAX)
                 else:
+                    self._pause = RETRY_PAUSE
                     self.rung += len(ids)
                     if self._failed:
                         for run_id in ids:
@@ -126,6 +139,8 @@ class Doorbells:
     def _again(self, ids: set[uuid.UUID], exc: Exception) -> None:
         """A ring failed: its runs go again with the next, unless they have had TRIES."""
         dropped = 0
+        if self._closing:
+            dropped, self._due = len(self._due), set()
         for run_id in ids:
             tries = self._failed.get(run_id, 0) + 1
             if tries >= TRIES or self._closing:

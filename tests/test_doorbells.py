@@ -16,6 +16,7 @@ from runpool.commits import CommitGroup
 from runpool.db import aconnect, open_pool
 from runpool.doorbells import BURST, GAP, TRIES, Doorbells
 from runpool.live import channel
+from runpool.logs import RunContextFilter, run_log_context
 
 from .helpers import until
 
@@ -88,9 +89,11 @@ def test_a_ring_that_fails__goes_again_and_after_its_tries_is_dropped(
             await _limit(pool, None)  # before its next try (RETRY_PAUSE)
             await until(lambda: bells.rung == 1, "the ring again", interval=0.005)
             again = _counts(bells)
-            # Failing every time: dropped after TRIES, said at WARNING.
+            # Failing every time: dropped after TRIES, said at WARNING (as the worker's, not
+            # as the run's whose write started the ring).
             await _limit(pool, "'not a number'")
-            bells.ring([uuid.uuid4()])
+            with run_log_context(run_id="the run that wrote"):
+                bells.ring([uuid.uuid4()])
             await until(lambda: bells.failures == 1 + TRIES, "its tries", interval=0.005)
             await asyncio.wait_for(bells.close(), 30)
             dropped = _counts(bells)
@@ -104,6 +107,7 @@ def test_a_ring_that_fails__goes_again_and_after_its_tries_is_dropped(
         finally:
             await pool.close()
 
+    caplog.handler.addFilter(RunContextFilter())
     with caplog.at_level(logging.WARNING, logger="runpool.worker"):
         again, dropped, bells = asyncio.run(main())
     assert again == (2, 1, 1)  # (rings, failures, rung)
@@ -111,6 +115,7 @@ def test_a_ring_that_fails__goes_again_and_after_its_tries_is_dropped(
     assert _counts(bells) == (4 + TRIES, 2 + TRIES, 2)
     drops = [r for r in caplog.records if getattr(r, "action", "") == "doorbells_dropped"]
     assert [getattr(r, "runs", None) for r in drops] == [1, 1]
+    assert [getattr(r, "run_id", None) for r in drops] == [None, None]
 
 
 async def _limit(pool: AsyncConnectionPool, value: str | None) -> None:

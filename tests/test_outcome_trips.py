@@ -15,12 +15,13 @@ import pytest
 
 import runpool
 from runpool.claiming import ClaimedRun, PendingClaim, Statements, claim, claim_statements
-from runpool.db import aconnect, one_trip, open_pool
+from runpool.db import aconnect, connect, one_trip, open_pool
+from runpool.enqueue import enqueue
 from runpool.outcomes import OutcomeWriter, finish_params, from_result
 from runpool.queries import QUERIES
 from runpool.trips import Trip
 
-from .helpers import until
+from .helpers import live_workers, running_pool, status_of, until, wait_for
 
 
 class _Refill:
@@ -35,6 +36,9 @@ class _Refill:
 
     def capacity(self, freed: int) -> int:
         return 1
+
+    def release(self, room: int) -> None:
+        pass
 
     async def statements(self, conn: Statements, limit: int) -> PendingClaim:
         # A worker session's batch is a trip (runpool.trips): its connection is the one asked.
@@ -222,6 +226,9 @@ class _CountingRefill(_Refill):
         self.freed.append(freed)
         return 0
 
+    def release(self, room: int) -> None:
+        pass
+
 
 def test_outcome_batch__a_busy_outcome_frees_its_slot_for_a_refill_once(
         conn: psycopg.Connection, dsn: str) -> None:
@@ -327,3 +334,27 @@ def test_outcome_batch__a_cancelled_submitters_outcome_frees_no_slot(
 
     asyncio.run(main())  # the outcome is written all the same
     assert refill.freed == [0]
+
+
+def test_refill_and_claim_loop__a_worker_never_holds_more_runs_than_its_concurrency(
+        dsn: str) -> None:
+    """Short runs arriving in bursts, each burst while the last one's runs end: an outcome
+    batch's refill and the claim loop (woken by the burst's doorbell, or a slot freed) both
+    counted the worker's empty slots, and both filled them (an attack pass: 10 runs at once at
+    concurrency 8, no fault needed). Counted on the database's clock: a run is held from its
+    claim (started_at) to its outcome's commit (finished_at; a refill's claims share that
+    commit's instant, after it)."""
+    with connect(dsn, autocommit=True) as conn, running_pool(dsn, concurrency=8):
+        wait_for(lambda: live_workers(conn), what="the worker")
+        for _ in range(60):
+            with conn.transaction():
+                burst = [enqueue(conn, "acme", "sleep", {"seconds": 0.1}) for _ in range(10)]
+            first = burst[0]
+            wait_for(lambda: status_of(conn, first) == "succeeded",  # noqa: B023 (awaited here)
+                     interval=0.005, what="the burst's first run")
+        wait_for(lambda: not conn.execute("SELECT 1 FROM runpool.runs WHERE status <> "
+                                          "'succeeded' LIMIT 1").fetchone(), what="all ended")
+        held = conn.execute("SELECT started_at, finished_at FROM runpool.runs").fetchall()
+    changes = sorted([(s, 1) for s, _ in held] + [(f, -1) for _, f in held])
+    at_once = list(itertools.accumulate(d for _, d in changes))
+    assert max(at_once) <= 8, max(at_once)
