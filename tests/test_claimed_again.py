@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -45,14 +47,7 @@ def test_claimed_again__the_earlier_attempt_keeps_its_slot_is_lost_and_writes_no
         await asyncio.sleep(3600)
 
     async def main() -> None:
-        pool = await open_pool(dsn, size=2, name="test-claimed-again")
-        writer = OutcomeWriter(pool, worker_id=uuid.uuid4())
-        slots = Slots()
-        runner = SlotRunner(settings=Settings(dsn=dsn, cancel_grace_seconds=60), app=app,
-                            pool=pool, outcomes=writer, slots=slots, log={},
-                            wake=lambda: None, on_stuck=lambda hurry: None)
-        writing = asyncio.create_task(writer.run())
-        try:
+        async with _slot_runner(dsn, app) as (slots, runner, writer):
             run_id = uuid.uuid4()
             loop = asyncio.get_running_loop()
             runner.start(claimed(run_id, attempt=1), loop.time())
@@ -77,10 +72,6 @@ def test_claimed_again__the_earlier_attempt_keeps_its_slot_is_lost_and_writes_no
             assert len(slots) == 1 and not slots.holds(old) and slots.get(run_id) is new
             new.task.cancel()
             await asyncio.gather(new.task, return_exceptions=True)
-        finally:
-            writing.cancel()
-            await asyncio.gather(writing, return_exceptions=True)
-            await pool.close()
 
     with caplog.at_level(logging.INFO, logger="runpool.worker"):
         asyncio.run(main())
@@ -147,15 +138,8 @@ def test_claimed_again_while_the_earlier_outcome_is_written__its_slot_waits_for_
                      " SELECT id, event_seq FROM runpool.runs WHERE id = %s", (run_id,))
 
     async def main() -> None:
-        pool = await open_pool(dsn, size=2, name="test-claimed-again")
-        writer = OutcomeWriter(pool, worker_id=uuid.uuid4())
-        slots = Slots()
-        runner = SlotRunner(settings=Settings(dsn=dsn, cancel_grace_seconds=60), app=app,
-                            pool=pool, outcomes=writer, slots=slots, log={},
-                            wake=lambda: None, on_stuck=lambda hurry: None)
-        writing = asyncio.create_task(writer.run())
-        locker = await aconnect(dsn)
-        try:
+        async with _slot_runner(dsn, app) as (slots, runner, _), \
+                await aconnect(dsn) as locker:
             await locker.execute("SELECT 1 FROM runpool.event_seqs WHERE run_id = %s"
                                  " FOR UPDATE", (run_id,))
             loop = asyncio.get_running_loop()
@@ -175,13 +159,27 @@ def test_claimed_again_while_the_earlier_outcome_is_written__its_slot_waits_for_
             assert new is not None
             new.task.cancel()
             await asyncio.gather(new.task, return_exceptions=True)
-        finally:
-            await locker.close()
-            writing.cancel()
-            await asyncio.gather(writing, return_exceptions=True)
-            await pool.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@asynccontextmanager
+async def _slot_runner(dsn: str, app: runpool.App
+                       ) -> AsyncIterator[tuple[Slots, SlotRunner, OutcomeWriter]]:
+    """The worker's own SlotRunner on a real pool, its outcome writer running."""
+    pool = await open_pool(dsn, size=2, name="test-claimed-again")
+    writer = OutcomeWriter(pool, worker_id=uuid.uuid4())
+    slots = Slots()
+    runner = SlotRunner(settings=Settings(dsn=dsn, cancel_grace_seconds=60), app=app, pool=pool,
+                        outcomes=writer, slots=slots, log={}, wake=lambda: None,
+                        on_stuck=lambda hurry: None)
+    writing = asyncio.create_task(writer.run())
+    try:
+        yield slots, runner, writer
+    finally:
+        writing.cancel()
+        await asyncio.gather(writing, return_exceptions=True)
+        await pool.close()
 
 
 def _waiting_for_a_lock(dsn: str) -> bool:
