@@ -181,11 +181,7 @@ class Refill(Protocol):
     """Claims replacements for the slots a batch of outcomes frees, in the same transaction."""
 
     def capacity(self, freed: int) -> int:
-        """The runs a batch freeing `freed` slots may claim, reserved (no other claim counts
-        those slots free) until `release` gives them back."""
-
-    def release(self, room: int) -> None:
-        """The batch's claim of `room` is over (its runs started, or it failed)."""
+        """The runs a batch freeing `freed` slots may claim (at most `freed`)."""
 
     async def statements(self, conn: Statements, limit: int) -> PendingClaim:
         """Queue the claim's statements on `conn` (a pipelined transaction's connection, or a
@@ -344,10 +340,7 @@ class OutcomeWriter:
                 last = exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-            finally:
-                if room > 0:
-                    assert self._refill is not None
-                    self._refill.release(room)
+
         # Eight transient-looking failures: an unreachable database, or a batch the database
         # refuses with a transient-looking error (a statement timeout, say). Asking tells them
         # apart; a refused batch is split, never dropped.

@@ -271,8 +271,7 @@ class Worker:
         next_poll = time.monotonic() + self._poll_delay()
         backoff = 0.1
         while not stop.is_set():
-            # (Less what a refill in flight may fill: see capacity.)
-            free = self.settings.concurrency - len(self.slots) - self._reserved
+            free = self.settings.concurrency - len(self.slots)
             self._attention.clear()
             if free > 0:
                 try:
@@ -360,15 +359,14 @@ class Worker:
     def capacity(self, freed: int) -> int:
         if self._stop is None or self._stop.is_set():
             return 0
-        room = max(self.settings.concurrency - len(self.slots) - self._reserved + freed, 0)
-        # Reserved until release(): the claim loop, woken meanwhile (the slot freed, an
-        # enqueue's doorbell), must not count the same empty slots (it ran the worker up to
-        # its concurrency plus the empty slots, with no fault at all: 10 runs at 8).
-        self._reserved += room
-        return room
-
-    def release(self, room: int) -> None:
-        self._reserved -= room
+        # Only the slots the batch frees: those are still in the table, where the claim loop
+        # does not count them. The empty ones are the loop's: when the refill took them too,
+        # the loop, woken meanwhile (a slot freed, an enqueue's doorbell), counted them as
+        # well, and a worker held its concurrency plus its empty slots with no fault at all
+        # (10 runs at 8); reserving them for the refill instead left them empty while a slow
+        # refill's trip lasted.
+        return min(freed, max(
+            self.settings.concurrency - len(self.slots) - self._reserved + freed, 0))
 
     async def statements(self, conn: Statements, limit: int) -> PendingClaim:
         return await claim_statements(conn, limit=limit, **self._claim_options(refill=True))

@@ -37,9 +37,6 @@ class _Refill:
     def capacity(self, freed: int) -> int:
         return 1
 
-    def release(self, room: int) -> None:
-        pass
-
     async def statements(self, conn: Statements, limit: int) -> PendingClaim:
         # A worker session's batch is a trip (runpool.trips): its connection is the one asked.
         self.conn = conn.connection if isinstance(conn, Trip) else conn
@@ -225,9 +222,6 @@ class _CountingRefill(_Refill):
     def capacity(self, freed: int) -> int:
         self.freed.append(freed)
         return 0
-
-    def release(self, room: int) -> None:
-        pass
 
 
 def test_outcome_batch__a_busy_outcome_frees_its_slot_for_a_refill_once(

@@ -217,9 +217,6 @@ class _Refill:
     def capacity(self, freed: int) -> int:
         return 5
 
-    def release(self, room: int) -> None:
-        pass
-
     async def statements(self, conn: Statements, limit: int) -> PendingClaim:
         return await claim_statements(conn, limit=limit, **_claim_options(["noop"]))
 
