@@ -340,7 +340,6 @@ class OutcomeWriter:
                 last = exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-
         # Eight transient-looking failures: an unreachable database, or a batch the database
         # refuses with a transient-looking error (a statement timeout, say). Asking tells them
         # apart; a refused batch is split, never dropped.
