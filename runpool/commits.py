@@ -114,9 +114,9 @@ MAX_BATCH: Final = 64
 # A group that committed BUSY_COMMITS batches in its last RATE_WINDOW seconds is loaded: its
 # batches then ring their runs' doorbells after they commit (runpool.doorbells), not in their
 # commit, where the notification lock would make each commit wait for the flush of the one
-# before (W11: ~250 commits a second a worker, 1.5 backends waiting on that lock). Below it a
-# write's ring costs no round trip more: rung afterwards, W12's followers (~40 commits a
-# second a worker, in bursts) heard a write 3-6 ms after its commit instead of 1-3.
+# before (W11: 1.5 backends waiting on that lock). Below it a write's ring costs no round trip
+# more: with every write rung afterwards, W12's followers heard a write 3-7 ms after its
+# commit instead of 1-3.
 BUSY_COMMITS: Final = 15
 RATE_WINDOW: Final = 0.1
 class _Held(Exception):
