@@ -280,8 +280,7 @@ class CommitGroup:
         if results:
             self.commits += 1
             self.writes += 1
-            if not ring:
-                self._doorbells.ring(_rung(results))
+            self._ring_after(results, ring)
             answer(w, result=results[0][1])
         self._requeue([w])  # skipped: again after a pause, or alone
 
@@ -376,11 +375,15 @@ class CommitGroup:
         self.commits += 1
         self.writes += len(results)
         self.pipelined += piped_ok
-        if not ring:
-            self._doorbells.ring(_rung(results))
+        self._ring_after(results, ring)
         for w, result in results:
             answer(w, result=result)
         self._requeue(batch)  # those a batch statement skipped: again after a pause, or alone
+
+    def _ring_after(self, results: list[tuple[Write, Any]], ring: bool) -> None:
+        """Committed: the doorbells of the runs whose batch statements were told not to ring."""
+        if not ring:
+            self._doorbells.ring(_rung(results))
 
     def _loaded(self, now: float) -> bool:
         """Whether the group committed BUSY_COMMITS batches in its last whole RATE_WINDOW (a
@@ -452,8 +455,7 @@ class CommitGroup:
                 await answers(conn, kind, cur, results)
         self.writes += len(results)
         self.pipelined += len(results)
-        if not ring:
-            self._doorbells.ring(_rung(results))
+        self._ring_after(results, ring)
         for w, result in results:
             answer(w, result=result)
         self._requeue(batch)  # those a batch statement skipped: again after a pause, or alone
