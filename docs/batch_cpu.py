@@ -25,9 +25,10 @@ import uuid
 from typing import Any
 
 from runpool.claiming import claim, claim_statements
-from runpool.db import connect, open_pool
+from runpool.db import connect
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.outcomes import OutcomeWriter, Pending, from_result
+from runpool.pools import open_pool
 from runpool.testing.databases import scratch_database
 
 BATCHES = int(os.environ.get("BATCHES", "300"))

@@ -14,9 +14,9 @@ from psycopg_pool import AsyncConnectionPool
 from checkpoints import Message, Statement, ToolCall
 
 from . import costs
+from .codec import encode
 from .commits import CommitGroup
 from .control import RunControl
-from .db import encode
 from .deadlines import retrying
 from .errors import InvalidInput, LeaseLost, UsageError
 from .waits import Waits

@@ -11,7 +11,8 @@ from typing import Any, TypeAlias
 import psycopg
 
 from . import faults
-from .db import NO_JIT, loads_exact, one_trip
+from .codec import loads_exact
+from .db import NO_JIT, one_trip
 from .errors import InvalidInput
 from .queries import QUERIES
 from .trips import JsonText, Rows, Trip, Via

@@ -15,7 +15,7 @@ from checkpoints import Message
 
 from . import costs, telemetry
 from .attempt import TURN_ROLE
-from .db import jsonb
+from .codec import jsonb
 from .errors import UsageError
 from .limits import check_name
 from .progress import encode as encode_progress

@@ -15,7 +15,8 @@ from typing import Any, Final
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .db import loads, translate_error
+from .codec import loads
+from .db import translate_error
 from .deadlines import bounded
 from .errors import BudgetExceeded, InvalidInput, LeaseLost
 from .limits import check_name

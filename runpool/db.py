@@ -1,27 +1,19 @@
-"""Connections: orjson wired into psycopg's JSON types, and the worker's connection pool."""
+"""Connections: their options and session setup, error translation, and one-trip transactions."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
-import select
 import socket
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
-import orjson
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg.abc import AdaptContext
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
-from psycopg_pool import AsyncConnectionPool
 
+from .codec import configure
 from .errors import DatabaseUnreachable, InvalidInput, UsageError, one_line
-from .tasks import finish_anyway
 
 __all__ = [
     "CHECK_NAME",
@@ -31,16 +23,9 @@ __all__ = [
     "SET_LOCK_TIMEOUT",
     "application_name",
     "check_stateless",
-    "configure",
     "connect",
     "connection_options",
-    "dumps",
-    "encode",
-    "jsonb",
-    "loads",
-    "loads_exact",
     "one_trip",
-    "open_pool",
     "reach",
     "require_utf8",
     "translate_error",
@@ -119,15 +104,11 @@ def require_utf8(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -
                          f" {encoding} (connect with client_encoding=UTF8)")
 
 
-def connection_options(dsn: str) -> dict[str, Any]:
-    """The keyword options every runpool connection is opened with (for pools built
-    elsewhere, such as the web app's)."""
-    return _options(dsn)
+def connection_options(dsn: str, connect_timeout: int | None = None) -> dict[str, Any]:
+    """The keyword options every runpool connection is opened with (for pools, the worker's
+    and the web app's): `connect_timeout` as in _options."""
+    return _options(dsn, connect_timeout)
 
-
-# A NUL escape in JSON text: \u0000 preceded by an even number of backslashes (an odd number
-# would make it the escaped text "\\u0000", which is fine).
-_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
 # Every runpool session, set up in the one round trip a new connection costs anyway:
@@ -177,93 +158,6 @@ def application_name(role: str) -> str:
     """`role@host`: what a runpool connection is called in pg_stat_activity (`status` counts
     connections per host by it). PostgreSQL keeps the first 63 bytes."""
     return f"{role}@{socket.gethostname()}"[:63]
-
-
-# Values orjson writes itself, holding no Fragment: their text needs no second look. Exact
-# types: a subclass of float that is also an Enum or a dataclass, say, is written as its value
-# or its fields, which may be a Fragment.
-_PLAIN: Final = frozenset({str, int, float, bool, type(None)})
-_UNREAD: Final[Any] = object()
-
-
-def _dumps(value: Any) -> tuple[bytes, Any]:
-    """dumps(), and the value its text decodes to (_UNREAD for a plain scalar, not read)."""
-    try:
-        data = orjson.dumps(value)
-    except TypeError as exc:
-        raise InvalidInput(f"not JSON-serialisable: {exc}") from None
-    # An orjson.Fragment is spliced in as it is, unchecked: text that is not one JSON value
-    # (say `1},{"run_id": ...`) would carry writes for another run into a batch's JSON array
-    # (checkpoints.store._row). One parse of the text refuses it; the parse costs ~1 us for a
-    # message of a few hundred bytes (0.4-1.1 ms a MB, more for many small objects), and only
-    # values that are not a plain scalar pay it, since orjson cannot say whether a Fragment is
-    # inside. (encode() hands the parse back as the value committed.)
-    read = _UNREAD
-    if type(value) not in _PLAIN:
-        try:
-            read = orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidInput(f"not one JSON value (an orjson.Fragment?): {exc}") from None
-    # jsonb rejects \u0000; catching it here keeps the caller's transaction intact.
-    if b"\\u0000" in data and _NUL_ESCAPE.search(data):
-        raise InvalidInput("JSON text contains a NUL character (\\u0000), which jsonb rejects")
-    return data, read
-
-
-def dumps(value: Any) -> bytes:
-    """Serialise a JSON value, refusing what PostgreSQL's jsonb cannot store."""
-    return _dumps(value)[0]
-
-
-def encode(value: Any) -> tuple[bytes, Any]:
-    """dumps(), and the JSON value as it will be read back (a tuple becomes a list, a
-    dataclass a dict): what a handler is given of what it committed, decoded by the same
-    parse that checks the text."""
-    data, read = _dumps(value)
-    return data, (loads(data) if read is _UNREAD else read)
-
-
-def _as_is(data: Any) -> Any:
-    return data
-
-
-def jsonb(data: bytes) -> Jsonb:
-    """JSON already serialised by dumps(), as a jsonb parameter (not serialised again)."""
-    return Jsonb(data, dumps=_as_is)
-
-
-def loads(data: bytes | bytearray | memoryview | str) -> Any:
-    return orjson.loads(bytes(data) if isinstance(data, memoryview) else data)
-
-
-# Every byte to b"0" but the ASCII digits, which become b"1": with it, one C-speed translate and
-# one substring search find a run of 19 digits, the shortest integer beyond orjson's 64 bits
-# (-2**63 - 1 has 19 digits, 2**64 has 20).
-_DIGITS: Final = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))
-_LONG_DIGITS: Final = b"1" * 19
-
-
-def loads_exact(data: bytes) -> Any:
-    """loads(), but integers beyond 64 bits come back exact: orjson turns them into floats
-    (123456789012345678901234567890 into 1.2345678901234568e+29). Only text holding 19 digits
-    in a row (a long number, or a long digit string) is decoded again, with the standard json
-    module: for the common input this costs one pass over the bytes, under a microsecond for a
-    small one. For a run's input, decoded once per attempt: JSON runpool's Python API writes
-    cannot hold such integers (orjson refuses them: InvalidInput), an input enqueued through
-    SQL can."""
-    value = orjson.loads(data)
-    if _LONG_DIGITS in data.translate(_DIGITS):
-        try:
-            return json.loads(data)
-        except RecursionError:  # nesting orjson accepts (up to 1,024) but json does not
-            raise ValueError("JSON nested too deeply to decode its long integers") from None
-    return value
-
-
-def configure(context: AdaptContext) -> None:
-    """The one place orjson is wired into psycopg (for a connection, or globally with None)."""
-    set_json_dumps(dumps, context)
-    set_json_loads(loads, context)
 
 
 # Behind a pooler in transaction mode (`stateless`), a session is not ours: a session SET
@@ -373,105 +267,6 @@ def check_stateless(conn: psycopg.Connection[Any], listen_dsn: str) -> None:
             " (RUNPOOL_LISTEN_DSN set) runpool's single statements run at the database's"
             " default, and they need 'read committed' (ALTER DATABASE ... SET"
             " default_transaction_isolation = 'read committed', or the role's)")
-
-
-async def _configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
-    configure(conn)
-    # Single statements commit on their own (one round trip); multi-statement work opens an
-    # explicit transaction.
-    await conn.set_autocommit(True)
-    await conn.execute(WORKER_SESSION)
-
-
-async def _configure_stateless(conn: psycopg.AsyncConnection[Any]) -> None:
-    configure(conn)
-    await conn.set_autocommit(True)
-    # Explicit transactions begin with BEGIN ISOLATION LEVEL READ COMMITTED: no session state.
-    await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)
-
-
-class _MostRecentFirst(deque[Any]):
-    """A pool's idle connections, the one returned last taken first. psycopg_pool takes from
-    the left and returns to the right: every connection in turn, so a worker's trips visit all
-    its server sessions, each cold in the CPU's caches when its turn comes back (W1 at 2 x 10:
-    faster this way in ten pairs of ten, the medians 1.2x; see the README). Returned to the
-    left, the session just used serves the next trip, and the others only work beside it.
-    (A session the server closed while it sat idle is found at its checkout: _still_open.)"""
-
-    def append(self, conn: Any) -> None:
-        self.appendleft(conn)
-
-
-async def _still_open(conn: psycopg.AsyncConnection[Any]) -> None:
-    """The pool's check at each checkout, without a round trip: an idle session has nothing to
-    say, so something to read on its socket is the server's goodbye (a restart, a failover,
-    pg_terminate_backend, a pooler's idle timeout) or the end of the stream. Such a session is
-    closed here, which makes the pool replace it instead of handing it out again (first, as
-    the connection returned last), and the checkout takes another; no statement meets it.
-    Without this, the sessions a restart broke and the pool's order keeps at the back would
-    fail the statements of the next burst of work, however long after."""
-    fd = conn.pgconn.socket
-    try:
-        if hasattr(select, "poll"):
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            readable = bool(poller.poll(0))
-        else:  # (Windows, for an embedded pool: no poll there, but select takes sockets)
-            readable = bool(select.select([fd], [], [], 0)[0])
-    except (OSError, ValueError):
-        return  # cannot tell: the session is handed out, and a statement finds out
-    if readable:
-        await conn.close()
-        raise psycopg.OperationalError("the server closed this pooled session while it was idle")
-
-
-async def open_pool(dsn: str, *, size: int, name: str, connect_timeout: int | None = None,
-                    stateless: bool = False,
-                    prepare: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None
-                    = None) -> AsyncConnectionPool:
-    """Open the worker's pool. A checkout costs no round trip (a check would cost one on every
-    claim), and the server's idle_session_timeout does not apply to pooled sessions
-    (WORKER_SESSION). A connection broken otherwise (a restart, a failover,
-    pg_terminate_backend) fails its statement; the pool replaces it, and the operations that
-    are safe to repeat retry on another connection (see retrying).
-    `connect_timeout` (seconds, at least 2; default CONNECT_TIMEOUT unless the DSN sets one)
-    bounds each new connection's attempt: one started while the network is silent would
-    otherwise wait for as long as it stays silent. `stateless`: the connections may go through
-    a transaction-mode pooler (see STATELESS_OPTIONS). `prepare`: run on each new session
-    after its setup (not on a stateless one, whose prepared statements are not its own)."""
-
-    async def configure_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
-        await _configure_pooled(conn)
-        if prepare is not None:
-            await prepare(conn)
-
-    pool: AsyncConnectionPool = AsyncConnectionPool(
-        dsn,
-        min_size=size,
-        max_size=size,
-        name=name,
-        open=False,
-        # Named after the pool (unless the DSN names its connections): an operator can tell a
-        # worker's connections in pg_stat_activity.
-        kwargs={**_options(dsn, connect_timeout),
-                **(STATELESS_OPTIONS if stateless else {}),
-                **({} if "application_name" in conninfo_to_dict(dsn)
-                   else {"application_name": name})},
-        configure=_configure_stateless if stateless else configure_pooled,
-        check=_still_open,
-        max_idle=300,
-        reconnect_timeout=3600,
-    )
-    pool._pool = _MostRecentFirst()  # (before open: it fills the pool through append)
-    try:
-        await pool.open(wait=True, timeout=30)
-    except BaseException:
-        # Cancelled (a pool stopped while it was starting: its heartbeat's own pool opens
-        # then) or failed: closed to its end, else its maintenance tasks outlive it, and the
-        # event loop's shutdown waited on them for good (a test's asyncio.run, now and then).
-        await finish_anyway(pool.close())
-        raise
-    return pool
 
 
 def translate_error(exc: psycopg.Error) -> Exception:

@@ -16,7 +16,8 @@ import psycopg
 from psycopg import pq
 from psycopg.rows import tuple_row
 
-from .db import dumps, jsonb, require_utf8, translate_error
+from .codec import dumps, jsonb
+from .db import require_utf8, translate_error
 from .errors import InvalidInput
 from .limits import check_text
 from .telemetry import RUN_ID, enqueue_traceparent

@@ -17,8 +17,9 @@ import psycopg
 import psycopg.errors
 from psycopg_pool import AsyncConnectionPool
 
-from .db import SET_LOCK_TIMEOUT, application_name, open_pool
+from .db import SET_LOCK_TIMEOUT, application_name
 from .deadlines import bounded
+from .pools import open_pool
 from .queries import QUERIES
 from .settings import Settings
 from .slot import Slot, Slots, StopReason

@@ -16,7 +16,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from . import faults
 from .claiming import ClaimedRun, PendingClaim, Statements, read_claimed
-from .db import NO_JIT, dumps, loads, one_trip
+from .codec import dumps, loads
+from .db import NO_JIT, one_trip
 from .deadlines import bounded, transient
 from .errors import (
     BudgetExceeded,

@@ -15,7 +15,7 @@ from typing import Any, Final
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from .db import dumps, jsonb
+from .codec import dumps, jsonb
 from .deadlines import bounded
 from .errors import InvalidInput
 

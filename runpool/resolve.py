@@ -9,7 +9,8 @@ from typing import Any, Final
 import psycopg
 from psycopg import errors as pg_errors
 
-from .db import dumps, jsonb, require_utf8, translate_error
+from .codec import dumps, jsonb
+from .db import require_utf8, translate_error
 from .errors import InvalidInput
 from .limits import check_name, check_tenant
 

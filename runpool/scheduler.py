@@ -19,7 +19,8 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from .app import App
-from .db import SET_LOCK_TIMEOUT, dumps, jsonb
+from .codec import dumps, jsonb
+from .db import SET_LOCK_TIMEOUT
 from .deadlines import bounded, transient
 from .firing import LOCK_TIMEOUT, error_text, fire_due
 from .listener import ClaimBudget

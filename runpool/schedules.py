@@ -25,7 +25,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 
-from .db import dumps
+from .codec import dumps
 from .errors import InvalidInput
 from .limits import NAME_MAX_LENGTH
 

@@ -19,7 +19,7 @@ from checkpoints import CallMismatch, Message, ToolCall
 
 from . import faults, telemetry
 from .attempt import Attempt
-from .db import encode, jsonb
+from .codec import encode, jsonb
 from .deadlines import transient
 from .errors import CODE_ERRORS, InvalidInput, LeaseLost, ToolOutcomeUnknown, describe, type_name
 from .limits import check_name

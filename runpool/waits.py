@@ -21,7 +21,8 @@ from typing import Any, Final, Protocol, TypeVar
 import psycopg
 
 from . import faults, telemetry
-from .db import dumps, jsonb, loads_exact, require_utf8, translate_error
+from .codec import dumps, jsonb, loads_exact
+from .db import require_utf8, translate_error
 from .enqueue import RunSpec
 from .errors import InvalidInput, LeaseLost, UsageError, WaitTimeout
 from .limits import check_name, check_tenant

@@ -29,7 +29,7 @@ from .app import App
 from .cancellation import Canceller
 from .claim_times import ClaimTimes
 from .claiming import ClaimedRun, PendingClaim, Statements, claim, claim_statements
-from .db import SET_LOCK_TIMEOUT, application_name, open_pool
+from .db import SET_LOCK_TIMEOUT, application_name
 from .deadlines import bounded
 from .drain import drain
 from .errors import WorkerFailed
@@ -37,6 +37,7 @@ from .exits import EXIT_STUCK
 from .leases import Cadence, LeaseKeeper
 from .listener import ClaimBudget, Listener
 from .outcomes import OutcomeWriter
+from .pools import open_pool
 from .progress import Publisher
 from .queries import QUERIES
 from .relay import RelayReader

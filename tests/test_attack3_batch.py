@@ -13,9 +13,11 @@ import orjson
 import psycopg
 
 import checkpoints
+from runpool.codec import jsonb
 from runpool.commits import MAX_BATCH, MAX_INFLIGHT, CommitGroup
-from runpool.db import connect, jsonb, open_pool
+from runpool.db import connect
 from runpool.enqueue import RunSpec, enqueue_many
+from runpool.pools import open_pool
 from runpool.waits import signal_run
 
 from .helpers import agent_turns

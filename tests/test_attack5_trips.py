@@ -14,8 +14,9 @@ import psycopg
 
 import runpool
 from runpool.claiming import claim
-from runpool.db import aconnect, open_pool
+from runpool.db import aconnect
 from runpool.outcomes import OutcomeWriter, from_result
+from runpool.pools import open_pool
 from runpool.warmup import plan_ahead
 
 from .helpers import run_row

@@ -15,9 +15,10 @@ from psycopg.types.json import Jsonb
 
 import checkpoints
 from runpool.commits import MAX_INFLIGHT, CommitGroup
-from runpool.db import connect, open_pool
+from runpool.db import connect
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.errors import LeaseLost
+from runpool.pools import open_pool
 from runpool.testing import Proxy
 
 from .helpers import agent_turns

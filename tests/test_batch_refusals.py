@@ -16,9 +16,10 @@ import pytest
 
 from runpool import commits
 from runpool.commits import CommitGroup
-from runpool.db import connect, open_pool
+from runpool.db import connect
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.errors import InvalidInput, UsageError
+from runpool.pools import open_pool
 from runpool.waits import commit_wait, spawn, spawn_params
 
 from .test_attack3_batch import _message

@@ -18,9 +18,10 @@ import pytest
 
 import runpool
 from runpool import outcomes
-from runpool.db import aconnect, connect, open_pool
+from runpool.db import aconnect, connect
 from runpool.enqueue import enqueue
 from runpool.outcomes import OutcomeWriter
+from runpool.pools import open_pool
 from runpool.runner import SlotRunner
 from runpool.settings import Settings
 from runpool.slot import Slots, StopReason

@@ -15,11 +15,12 @@ from psycopg_pool import AsyncConnectionPool
 
 from runpool.commits import MAX_INFLIGHT, CommitGroup
 from runpool.context import Run
-from runpool.db import aconnect, connect, open_pool
+from runpool.db import aconnect, connect
 from runpool.doorbells import Doorbells
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.live import channel
 from runpool.pooled import Route
+from runpool.pools import open_pool
 from runpool.trips import HOT_STATEMENTS, Via
 
 # The runs as a worker holds them (attempt 1), as runpool.harness.turn_cost does.

@@ -13,10 +13,11 @@ from psycopg.conninfo import conninfo_to_dict
 
 import runpool
 from runpool.commits import MAX_INFLIGHT, CommitGroup
-from runpool.db import aconnect, connect, open_pool
+from runpool.db import aconnect, connect
 from runpool.deadlines import transient
 from runpool.errors import LeaseLost
 from runpool.lane_locks import refused, transiently
+from runpool.pools import open_pool
 from tests.helpers import running_pool, scalar, wait_for
 
 TABLE = "CREATE TABLE written (x int PRIMARY KEY, tries int NOT NULL)"

@@ -13,10 +13,11 @@ from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from runpool.commits import CommitGroup
-from runpool.db import aconnect, open_pool
+from runpool.db import aconnect
 from runpool.doorbells import BURST, GAP, TRIES, Doorbells
 from runpool.live import channel
 from runpool.logs import RunContextFilter, run_log_context
+from runpool.pools import open_pool
 
 from .helpers import until
 

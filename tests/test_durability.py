@@ -13,7 +13,8 @@ import psycopg
 from psycopg import sql
 
 import runpool
-from runpool.db import aconnect, connect, open_pool
+from runpool.db import aconnect, connect
+from runpool.pools import open_pool
 from tests.helpers import (
     assert_invariants,
     live_workers,

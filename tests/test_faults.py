@@ -13,9 +13,10 @@ import pytest
 
 import runpool
 from runpool import db
-from runpool.db import aconnect, connect, open_pool
+from runpool.db import aconnect, connect
 from runpool.deadlines import bounded
 from runpool.migrate import migrate
+from runpool.pools import open_pool
 from runpool.testing import Proxy
 from tests.helpers import (
     LISTENING,

@@ -17,8 +17,9 @@ import pytest
 
 from runpool.commits import MAX_INFLIGHT, MAX_WAITING, CommitGroup
 from runpool.context import Run
-from runpool.db import connect, open_pool
+from runpool.db import connect
 from runpool.errors import DatabaseTimeout
+from runpool.pools import open_pool
 from runpool.waits import signal_run
 
 from .test_attack3_batch import _held, _message

@@ -16,8 +16,9 @@ from psycopg import _queries
 
 import runpool
 from runpool.claiming import ClaimedRun, claim
+from runpool.codec import dumps
 from runpool.context import Run
-from runpool.db import aconnect, dumps
+from runpool.db import aconnect
 from runpool.outcomes import Outcome, finish_params, retry_after
 from runpool.queries import QUERIES
 

@@ -15,9 +15,10 @@ import pytest
 
 import runpool
 from runpool.claiming import ClaimedRun, PendingClaim, Statements, claim, claim_statements
-from runpool.db import aconnect, connect, one_trip, open_pool
+from runpool.db import aconnect, connect, one_trip
 from runpool.enqueue import enqueue
 from runpool.outcomes import OutcomeWriter, finish_params, from_result
+from runpool.pools import open_pool
 from runpool.queries import QUERIES
 from runpool.trips import Trip
 

@@ -1,4 +1,4 @@
-"""A worker's pool (db.open_pool) hands out the connection returned last: one after another,
+"""A worker's pool (pools.open_pool) hands out the connection returned last: one after another,
 a worker's trips go to one server session, warm in the CPU's caches, instead of to each of
 its sessions in turn (psycopg_pool's own order). Checked on a real pool, through psycopg_pool's
 public interface: a psycopg_pool that stopped keeping its idle connections where open_pool
@@ -14,8 +14,8 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from runpool import db
-from runpool.db import open_pool
+from runpool import pools
+from runpool.pools import open_pool
 from tests.helpers import scalar, wait_for
 
 BACKEND = "SELECT pg_backend_pid()"
@@ -71,7 +71,7 @@ def test_pool__sessions_the_server_closed_while_idle_are_replaced_at_checkout(
     # at the back of the pool's order, which only a burst reaches). `select`: where the
     # select module has no poll (Windows, for an embedded pool).
     if looks == "select":
-        monkeypatch.setattr(db, "select", types.SimpleNamespace(select=select.select))
+        monkeypatch.setattr(pools, "select", types.SimpleNamespace(select=select.select))
 
     async def main() -> tuple[set[int], int, list[int]]:
         pool = await open_pool(dsn, size=4, name="test-pool-order-closed")

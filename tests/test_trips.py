@@ -18,8 +18,9 @@ import pytest
 
 import runpool
 from runpool.claiming import ClaimedRun, PendingClaim, Statements, claim, claim_statements
-from runpool.db import aconnect, open_pool
+from runpool.db import aconnect
 from runpool.outcomes import OutcomeWriter, finish_params, from_result
+from runpool.pools import open_pool
 from runpool.queries import QUERIES
 from runpool.trips import HOT, Trip, Via, prepared_sql
 

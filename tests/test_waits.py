@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb
 
 import runpool
 import runpool.testing.invariants
-from runpool.db import open_pool
+from runpool.pools import open_pool
 from runpool.queries import QUERIES
 from runpool.status import collect
 from tests.helpers import (

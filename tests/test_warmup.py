@@ -11,9 +11,9 @@ from typing import Any
 import psycopg
 
 from runpool.claiming import claim
-from runpool.db import open_pool
 from runpool.enqueue import RunSpec, enqueue_many
 from runpool.outcomes import Outcome, finish_params
+from runpool.pools import open_pool
 from runpool.queries import QUERIES
 from runpool.trips import Trip
 from runpool.warmup import UPKEEP, plan_ahead

@@ -23,8 +23,9 @@ from psycopg.types.json import Jsonb
 import runpool
 from checkpoints.store import HOLDS, message_write
 from runpool.claiming import ClaimedRun, claim
+from runpool.codec import dumps
 from runpool.costs import RECORD_USAGE, USAGE_WRITTEN
-from runpool.db import WORKER_SESSION, aconnect, dumps
+from runpool.db import WORKER_SESSION, aconnect
 from runpool.outcomes import Outcome, finish_params
 from runpool.queries import QUERIES
 from runpool.trips import prepared_sql

@@ -19,8 +19,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from ..commits import CommitGroup
 from ..context import Run
-from ..db import connect, open_pool
+from ..db import connect
 from ..enqueue import RunSpec, enqueue_many
+from ..pools import open_pool
 from ..testing.databases import scratch_database
 from ..trips import Via
 from .measure import cpu_seconds

@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from runpool.db import dumps, jsonb, translate_error
+from runpool.codec import dumps, jsonb
+from runpool.db import translate_error
 from runpool.enqueue import enqueue_async
 from runpool.errors import InvalidInput
 from runpool.limits import check_name

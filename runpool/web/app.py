@@ -23,7 +23,8 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runpool.db import SESSION_SETUP, configure, connect, connection_options
+from runpool.codec import configure
+from runpool.db import SESSION_SETUP, connect, connection_options
 from runpool.errors import InvalidInput, UsageError
 from runpool.migrate import check
 
