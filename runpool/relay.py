@@ -4,10 +4,14 @@ to them over a datagram socket pair per worker.
 
 Datagrams are 1 byte (W: wake, S: schedules changed) or 17 (C + the run id's 16 bytes); the
 relay has checked the cancel payload is a run id, so a worker parses nothing it could choke
-on. A worker that does not read its socket (stopped, or restarting) must not hold the relay
-up: datagrams that do not fit are dropped, which costs nothing a worker cannot recover (a
-dropped wake-up is folded into the ones still queued; a dropped cancel notice is caught by the
-next heartbeat, which reads the cancel flags of every run it renews).
+on. A worker that does not read its socket (stopped, restarting, or slow under load) must not hold
+the relay up: a cancel notice that does not fit is dropped (the next heartbeat reads the
+cancel flags of every run it renews), and a wake-up, schedules or listening notice that does
+not fit is kept, one of each kind per worker, and sent as soon as that worker's queue has
+room. A wake-up must not be dropped: any login can NOTIFY, and forged cancel notices fill a
+worker's queue (512 datagrams on Linux) faster than a loaded worker reads it; a real doorbell
+dropped behind them left its run for the next poll (CI, once: a run not started 22 s after its
+enqueue, with polls a minute apart).
 """
 
 from __future__ import annotations
@@ -46,16 +50,56 @@ def pair() -> tuple[socket.socket, socket.socket]:
 
 
 class _Fanout:
+    """Sends each notice to every worker's end (on the running loop): see the module's
+    docstring for what does not fit."""
+
     def __init__(self, ends: list[socket.socket]) -> None:
         self._ends = ends
+        self._loop = asyncio.get_running_loop()
+        # The notices kept for an end whose queue was full, by the end's index: a set, as one
+        # wake-up (or schedules notice) stands for any number.
+        self._kept: dict[int, set[bytes]] = {}
         self.dropped = 0
 
     def send(self, message: bytes) -> None:
-        for end in self._ends:
+        for i, end in enumerate(self._ends):
+            kept = self._kept.get(i)
+            if kept is not None and not message.startswith(CANCEL):
+                kept.add(message)  # behind what waits already: sent with it
+                continue
             try:
                 end.send(message)
-            except OSError:  # full (BlockingIOError), or its worker end is gone
+            except BlockingIOError:  # its queue is full
+                if message.startswith(CANCEL):
+                    self.dropped += 1
+                else:
+                    self._keep(i, message)
+            except OSError:  # its worker end is gone
                 self.dropped += 1
+
+    def _keep(self, i: int, message: bytes) -> None:
+        # Once per time the worker's queue fills (512 notices at least): a worker stopped,
+        # restarting or slow, or a flood of notices.
+        logger.info("worker %d's notice queue is full: its %r notice waits for room", i,
+                    message, extra={"action": "relay_notice_kept", "worker": i})
+        self._kept[i] = {message}
+        self._loop.add_writer(self._ends[i].fileno(), self._flush, i)
+
+    def _flush(self, i: int) -> None:
+        """The end's queue has room: send what was kept for it."""
+        kept = self._kept[i]
+        while kept:
+            message = next(iter(kept))
+            try:
+                self._ends[i].send(message)
+            except BlockingIOError:
+                return  # full again: the next turn of room sends the rest
+            except OSError:
+                self.dropped += len(kept)
+                break
+            kept.discard(message)
+        del self._kept[i]
+        self._loop.remove_writer(self._ends[i].fileno())
 
 
 # The relay process's name (Linux: ps, top and /proc/PID/comm show it), which tells it from the

@@ -158,3 +158,39 @@ def test_budget__a_forged_notice_flood_through_the_listener_process_breaks_nothi
                  what="a real cancel after the flood")
         assert pool.listener() == listener
         assert "relay_failed" not in pool.log() and "Traceback" not in pool.log()
+
+
+def test_budget__a_doorbell_behind_a_full_queue_of_forged_cancels_still_wakes_its_worker(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """Workers that read their relay sockets slowly (here: stopped) have their queues filled by
+    forged cancel notices; the doorbell of a run enqueued then is kept by the relay and
+    delivered once they read again, so the run starts on it, not on the next poll."""
+    # Two workers: a lone worker listens itself, with no relay between.
+    with running_pool(dsn, workers=2, concurrency=2, poll_seconds=60,
+                      lease_seconds=120) as pool:
+        wait_for(lambda: scalar(conn, LISTENERS) == 1, what="the host's LISTEN connection")
+        # Past their first claims (each claims once as it starts): one run done after both
+        # said they started.
+        wait_for(lambda: pool.log().count("action=worker_started") == 2, what="both started")
+        first = runpool.enqueue(conn, "acme", "noop", {})
+        wait_for(lambda: scalar(conn, "SELECT status FROM runpool.runs WHERE id = %s",
+                                first) == "succeeded", what="a first run")
+        pids = pool.workers()
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            # More than a worker's queue holds (512 datagrams on Linux), in one transaction.
+            notify_flood(dsn, cancels=3_000)
+            run_id = runpool.enqueue(conn, "acme", "noop", {})
+            # The relay has met the full queue with the doorbell (a notice dropped there
+            # before): the worker reads again only now.
+            wait_for(lambda: "action=relay_notice_kept" in pool.log(),
+                     what="the relay keeping the doorbell for the full queue")
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: scalar(conn, "SELECT status FROM runpool.runs WHERE id = %s",
+                                run_id) == "succeeded", timeout=15,
+                 what="the run started on its doorbell")
+        assert "Traceback" not in pool.log()

@@ -1,0 +1,98 @@
+"""The relay's fan-out over real socket pairs (runpool.relay): a worker whose queue is full
+loses cancel notices (the heartbeat reads the flags) but never a wake-up or a schedules
+notice, which wait for room, one of each kind however many came; a worker end that is gone
+costs the others nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import Callable
+
+from runpool.relay import CANCEL, SCHEDULES, WAKE, _Fanout, pair
+
+TIMEOUT = 10.0
+
+
+def _fill(fanout: _Fanout) -> int:
+    """Cancel notices until the queues are full (the first dropped); how many went."""
+    sent = 0
+    while fanout.dropped == 0:
+        fanout.send(CANCEL + uuid.uuid4().bytes)
+        sent += 1
+    return sent
+
+
+async def _read(end: socket.socket, until: bytes) -> list[bytes]:
+    """Every datagram on `end` up to and including the first `until`, within TIMEOUT."""
+    loop = asyncio.get_running_loop()
+    got: list[bytes] = []
+
+    async def read() -> None:
+        while until not in got:
+            got.append(await loop.sock_recv(end, 64))
+
+    await asyncio.wait_for(read(), TIMEOUT)
+    return got
+
+
+def test_fanout__a_full_queue_drops_cancels_and_keeps_one_wake_up_and_one_schedules_notice(
+        ) -> None:
+    async def main() -> tuple[int, list[bytes], int, int]:
+        relay_end, worker_end = pair()
+        worker_end.setblocking(False)
+        with relay_end, worker_end:
+            fanout = _Fanout([relay_end])
+            sent = _fill(fanout)
+            for _ in range(3):
+                fanout.send(WAKE)
+                fanout.send(SCHEDULES)
+            fanout.send(CANCEL + uuid.uuid4().bytes)  # full still: dropped, not kept
+            dropped = fanout.dropped
+            got = await _read(worker_end, SCHEDULES)
+            got += await _read(worker_end, WAKE) if WAKE not in got else []
+            # Nothing more comes: the kept notices went once each, and the end's writer was
+            # removed (a second turn of the loop would have sent a leftover).
+            await asyncio.sleep(0)
+            try:
+                extra = len(worker_end.recv(64))
+            except BlockingIOError:
+                extra = 0
+            return sent, got, dropped, extra
+
+    sent, got, dropped, extra = asyncio.run(main())
+    cancels = [d for d in got if d.startswith(CANCEL)]
+    assert len(cancels) == sent - 1, (len(cancels), sent)  # all that fit, in order
+    assert got[len(cancels):] in ([WAKE, SCHEDULES], [SCHEDULES, WAKE]), got[len(cancels):]
+    assert dropped == 2  # the cancel that found the queue full, and the one after
+    assert extra == 0
+
+
+def test_fanout__a_gone_worker_end_costs_the_other_workers_nothing() -> None:
+    async def main() -> tuple[list[bytes], int]:
+        gone_relay, gone_worker = pair()
+        relay_end, worker_end = pair()
+        worker_end.setblocking(False)
+        with gone_relay, relay_end, worker_end:
+            fanout = _Fanout([gone_relay, relay_end])
+            _fill(fanout)  # both full: each drops a cancel
+            fanout.send(WAKE)  # kept for both
+            gone_worker.close()  # its worker is gone (its queue with it)
+            got = await _read(worker_end, WAKE)
+            # The gone end's kept wake-up is dropped when its writer finds the end gone.
+            await asyncio.wait_for(_until(lambda: not fanout._kept), TIMEOUT)
+            fanout.send(WAKE)
+            got += await _read(worker_end, WAKE)
+            return got[-1:], fanout.dropped
+
+    last, dropped = asyncio.run(main())
+    assert last == [WAKE]
+    # A cancel at the full ends (one or both, as their room differed by a datagram), the gone
+    # end's kept wake-up, and the wake-up sent to it after.
+    assert 3 <= dropped <= 4, dropped
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():  # noqa: ASYNC110 - the relay's state has no event; bounded by wait_for
+        await asyncio.sleep(0.01)
