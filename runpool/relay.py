@@ -9,9 +9,9 @@ the relay up: a cancel notice that does not fit is dropped (the next heartbeat r
 cancel flags of every run it renews), and a wake-up, schedules or listening notice that does
 not fit is kept, one of each kind per worker, and sent as soon as that worker's queue has
 room. A wake-up must not be dropped: any login can NOTIFY, and forged cancel notices fill a
-worker's queue (512 datagrams on Linux) faster than a loaded worker reads it; a real doorbell
-dropped behind them left its run for the next poll (CI, once: a run not started 22 s after its
-enqueue, with polls a minute apart).
+worker's queue (a few hundred datagrams: 278 on Linux by default) faster than a loaded worker
+reads it; a real doorbell dropped behind them left its run for the next poll (CI, once: a run
+not started 22 s after its enqueue, with polls a minute apart).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class _Fanout:
                 self.dropped += 1
 
     def _keep(self, i: int, message: bytes) -> None:
-        # Once per time the worker's queue fills (512 notices at least): a worker stopped,
+        # Once per time the worker's queue fills (a few hundred notices): a worker stopped,
         # restarting or slow, or a flood of notices.
         logger.info("worker %d's notice queue is full: its %r notice waits for room", i,
                     message, extra={"action": "relay_notice_kept", "worker": i})
