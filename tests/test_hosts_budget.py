@@ -180,7 +180,7 @@ def test_budget__a_doorbell_behind_a_full_queue_of_forged_cancels_still_wakes_it
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
-            # More than a worker's queue holds (278 datagrams by default on Linux), in one transaction.
+            # More than a worker's queue holds (278 datagrams by default), one transaction.
             notify_flood(dsn, cancels=3_000)
             run_id = runpool.enqueue(conn, "acme", "noop", {})
             # The relay has met the full queue with the doorbell (a notice dropped there
