@@ -15,7 +15,8 @@ import psycopg
 from .db import aconnect, application_name
 from .errors import one_line
 
-__all__ = ["CANCEL", "LISTEN_NAME", "SCHEDULES", "WAKEUP", "ClaimBudget", "Listener"]
+__all__ = ["CANCEL", "LISTEN_NAME", "NOISE_LOG_SECONDS", "SCHEDULES", "WAKEUP", "ClaimBudget",
+           "Listener"]
 
 logger = logging.getLogger("runpool.listener")
 

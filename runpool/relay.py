@@ -22,12 +22,13 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from .listener import Listener
+from .listener import NOISE_LOG_SECONDS, Listener
 
 __all__ = ["PROCESS_NAME", "RelayReader", "pair", "run_relay_process"]
 
@@ -38,6 +39,8 @@ SCHEDULES: Final = b"S"
 # The relay (re)connected: notices sent while it was away are lost.
 LISTENING: Final = b"L"
 CANCEL: Final = b"C"
+# The most datagrams a worker reads at once, past the one it waited for (a turn of its loop).
+READ_BURST: Final = 1024
 # The relay's id on its log lines (a relay is no worker; this marks whose line it is).
 RELAY_ID: Final = uuid.UUID(int=0)
 
@@ -60,13 +63,24 @@ class _Fanout:
         # wake-up (or schedules notice) stands for any number.
         self._kept: dict[int, set[bytes]] = {}
         self.dropped = 0
+        # Times an end's queue filled since the last log line, and when that was (see _keep).
+        self._fills = 0
+        self._fills_logged = -NOISE_LOG_SECONDS
 
     def send(self, message: bytes) -> None:
         for i, end in enumerate(self._ends):
-            kept = self._kept.get(i)
-            if kept is not None and not message.startswith(CANCEL):
-                kept.add(message)  # behind what waits already: sent with it
-                continue
+            if i in self._kept:
+                # What waits goes first, into any room a read made: the end reports room only
+                # once its queue is down to a quarter, and a worker that reads more slowly than
+                # a flood comes never gets there, while each freed place would go to the flood.
+                self._flush(i)
+                kept = self._kept.get(i)
+                if kept is not None:  # still no room
+                    if message.startswith(CANCEL):
+                        self.dropped += 1
+                    else:
+                        kept.add(message)
+                    continue
             try:
                 end.send(message)
             except BlockingIOError:  # its queue is full
@@ -78,15 +92,22 @@ class _Fanout:
                 self.dropped += 1
 
     def _keep(self, i: int, message: bytes) -> None:
-        # Once per time the worker's queue fills (a few hundred notices): a worker stopped,
-        # restarting or slow, or a flood of notices.
-        logger.info("worker %d's notice queue is full: its %r notice waits for room", i,
-                    message, extra={"action": "relay_notice_kept", "worker": i})
         self._kept[i] = {message}
         self._loop.add_writer(self._ends[i].fileno(), self._flush, i)
+        # A worker stopped, restarting or slow, or a flood of notices (any login can send
+        # them): one line per NOISE_LOG_SECONDS, with the count.
+        self._fills += 1
+        now = time.monotonic()
+        if now - self._fills_logged >= NOISE_LOG_SECONDS:
+            logger.info("a worker's notice queue was full %d times (last: worker %d): its"
+                        " wake-up and schedule notices wait for room", self._fills, i,
+                        extra={"action": "relay_notice_kept", "worker": i,
+                               "count": self._fills})
+            self._fills = 0
+            self._fills_logged = now
 
     def _flush(self, i: int) -> None:
-        """The end's queue has room: send what was kept for it."""
+        """Send what was kept for end `i`, as far as its queue has room."""
         kept = self._kept[i]
         while kept:
             message = next(iter(kept))
@@ -100,6 +121,13 @@ class _Fanout:
             kept.discard(message)
         del self._kept[i]
         self._loop.remove_writer(self._ends[i].fileno())
+
+    def close(self) -> None:
+        """The relay stops: what is still kept is dropped (and counted)."""
+        for i, kept in self._kept.items():
+            self.dropped += len(kept)
+            self._loop.remove_writer(self._ends[i].fileno())
+        self._kept.clear()
 
 
 # The relay process's name (Linux: ps, top and /proc/PID/comm show it), which tells it from the
@@ -148,6 +176,7 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
     for task in [*tasks, stopper]:
         task.cancel()
     await asyncio.gather(*tasks, stopper, return_exceptions=True)
+    fanout.close()
     failed = [t for t in finished if t is not stopper and not t.cancelled() and t.exception()]
     for task in failed:
         logger.error("relay task %s failed: %r", task.get_name(), task.exception(),
@@ -180,8 +209,16 @@ class RelayReader:
             sock.setblocking(False)
             self.connected.set()
             while True:
-                data = await loop.sock_recv(sock, 64)
-                self._dispatch(data)
+                self._dispatch(await loop.sock_recv(sock, 64))
+                # Whatever else is queued, now: a wait for each datagram costs a turn of a
+                # loop that may be busy, and under a flood of notices the relay keeps this
+                # worker's wake-ups until its queue is down to a quarter (see _Fanout).
+                for _ in range(READ_BURST):
+                    try:
+                        data = sock.recv(64)
+                    except BlockingIOError:
+                        break
+                    self._dispatch(data)
 
     def _dispatch(self, data: bytes) -> None:
         kind = data[:1]

@@ -48,7 +48,7 @@ SPAWN_OPTIONS: Final = frozenset({"priority", "run_at", "max_attempts", "timeout
                                   "budget"})
 
 # Commit (or read back) wait number `seq` of this attempt; see migration 0013. The payload as
-# text, decoded as a run's input is (db.loads_exact): SQL's signal_run stores any jsonb.
+# text, decoded as a run's input is (codec.loads_exact): SQL's signal_run stores any jsonb.
 WAIT: Final = """
 SELECT state, payload::text, until, seconds_left
 FROM runpool._wait(%(run_id)s, %(attempt)s, %(seq)s, %(kind)s, %(name)s, %(children)s::uuid[],

@@ -1,5 +1,6 @@
-"""Attack on the batched checkpoint writes (checkpoints.store BATCH_*, commits._one_trip): a
-batch's writes of one kind go as one statement carrying the writes as a JSON array."""
+"""Attack on the batched checkpoint writes (checkpoints.store BATCH_*,
+commit_sends.BatchSends._one_trip): a batch's writes of one kind go as one statement carrying
+the writes as a JSON array."""
 
 from __future__ import annotations
 

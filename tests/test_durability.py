@@ -70,7 +70,7 @@ def test_idle_connections_closed__a_finished_tool_result_survives(
             closed += sum(scalar(conn, "SELECT pg_terminate_backend(%s)", pid)
                           for (pid,) in conn.execute(IDLE_POOLED).fetchall())
         wait_for(lambda: _done(conn, safe) and _done(conn, unsafe), timeout=60, what="runs")
-        # (Found closed at their checkout, db._still_open, and replaced, or met by a write
+        # (Found closed at their checkout, pools._still_open, and replaced, or met by a write
         # that then went again on another connection: the results survive either way.)
     assert closed > 0
     for run_id in (safe, unsafe):

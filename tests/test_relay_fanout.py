@@ -96,3 +96,34 @@ def test_fanout__a_gone_worker_end_costs_the_other_workers_nothing() -> None:
 async def _until(predicate: Callable[[], bool]) -> None:
     while not predicate():  # noqa: ASYNC110 - the relay's state has no event; bounded by wait_for
         await asyncio.sleep(0.01)
+
+
+def test_fanout__a_kept_wake_up_takes_the_first_place_a_read_frees_before_the_flood_does(
+        ) -> None:
+    """The end reports room only once its queue is down to a quarter: a worker reading more
+    slowly than a flood comes never gets there, so the next notice sent puts what was kept
+    into the first freed place, ahead of itself (on uvloop a loaded worker's doorbell waited
+    for the flood's end: 26 s, the attack's repro)."""
+    async def main() -> tuple[bool, bool, int, list[bytes]]:
+        relay_end, worker_end = pair()
+        worker_end.setblocking(False)
+        with relay_end, worker_end:
+            fanout = _Fanout([relay_end])
+            _fill(fanout)
+            fanout.send(WAKE)
+            kept_before = bool(fanout._kept)
+            worker_end.recv(64)  # one place freed
+            fanout.send(CANCEL + uuid.uuid4().bytes)  # the flood goes on
+            kept_after = bool(fanout._kept)
+            got = []
+            while True:
+                try:
+                    got.append(worker_end.recv(64))
+                except BlockingIOError:
+                    break
+            return kept_before, kept_after, fanout.dropped, got
+
+    kept_before, kept_after, dropped, got = asyncio.run(main())
+    assert kept_before and not kept_after
+    assert got[-1] == WAKE, got[-3:]  # in the freed place, last in the queue
+    assert dropped == 2  # the cancel that filled the queue, and the flood's next one
