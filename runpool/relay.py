@@ -74,22 +74,22 @@ class _Fanout:
                 # once its queue is down to a quarter, and a worker that reads more slowly than
                 # a flood comes never gets there, while each freed place would go to the flood.
                 self._flush(i)
-                kept = self._kept.get(i)
-                if kept is not None:  # still no room
-                    if message.startswith(CANCEL):
-                        self.dropped += 1
-                    else:
-                        kept.add(message)
+            if i not in self._kept:
+                try:
+                    end.send(message)
                     continue
-            try:
-                end.send(message)
-            except BlockingIOError:  # its queue is full
-                if message.startswith(CANCEL):
+                except BlockingIOError:  # its queue is full
+                    pass
+                except OSError:  # its worker end is gone
                     self.dropped += 1
-                else:
-                    self._keep(i, message)
-            except OSError:  # its worker end is gone
+                    continue
+            # No room: a cancel is dropped, anything else kept.
+            if message.startswith(CANCEL):
                 self.dropped += 1
+            elif i in self._kept:
+                self._kept[i].add(message)
+            else:
+                self._keep(i, message)
 
     def _keep(self, i: int, message: bytes) -> None:
         self._kept[i] = {message}

@@ -39,7 +39,7 @@ async def _read(end: socket.socket, until: bytes) -> list[bytes]:
 
 def test_fanout__a_full_queue_drops_cancels_and_keeps_one_wake_up_and_one_schedules_notice(
         ) -> None:
-    async def main() -> tuple[int, list[bytes], int, int]:
+    async def main() -> tuple[int, list[bytes], int, int, bool]:
         relay_end, worker_end = pair()
         worker_end.setblocking(False)
         with relay_end, worker_end:
@@ -52,21 +52,24 @@ def test_fanout__a_full_queue_drops_cancels_and_keeps_one_wake_up_and_one_schedu
             dropped = fanout.dropped
             got = await _read(worker_end, SCHEDULES)
             got += await _read(worker_end, WAKE) if WAKE not in got else []
-            # Nothing more comes: the kept notices went once each, and the end's writer was
-            # removed (a second turn of the loop would have sent a leftover).
-            await asyncio.sleep(0)
+            # Nothing more can come: nothing is kept and the end's writer was removed (a
+            # writer left behind would send again at every turn of room), and nothing more
+            # was sent meanwhile.
+            left = bool(fanout._kept) or asyncio.get_running_loop().remove_writer(
+                relay_end.fileno())
             try:
                 extra = len(worker_end.recv(64))
             except BlockingIOError:
                 extra = 0
-            return sent, got, dropped, extra
+            return sent, got, dropped, extra, left
 
-    sent, got, dropped, extra = asyncio.run(main())
+    sent, got, dropped, extra, left = asyncio.run(main())
     cancels = [d for d in got if d.startswith(CANCEL)]
     assert len(cancels) == sent - 1, (len(cancels), sent)  # all that fit, in order
     assert got[len(cancels):] in ([WAKE, SCHEDULES], [SCHEDULES, WAKE]), got[len(cancels):]
     assert dropped == 2  # the cancel that found the queue full, and the one after
     assert extra == 0
+    assert not left
 
 
 def test_fanout__a_gone_worker_end_costs_the_other_workers_nothing() -> None:
