@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 import uuid
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
 
 import psycopg
 
 from .db import aconnect, application_name
 from .errors import one_line
 
-__all__ = ["CANCEL", "LISTEN_NAME", "NOISE_LOG_SECONDS", "SCHEDULES", "WAKEUP", "ClaimBudget",
-           "Listener"]
+__all__ = ["CANCEL", "LISTEN", "LISTEN_NAME", "NOISE_LOG_SECONDS", "SCHEDULES", "WAKEUP",
+           "ClaimBudget", "Listener", "NoiseLog"]
 
 logger = logging.getLogger("runpool.listener")
 
@@ -33,6 +34,25 @@ LISTEN: Final = ("LISTEN runpool_wakeup; LISTEN runpool_cancel; LISTEN runpool_s
 LISTEN_NAME: Final = "runpool-listen"
 # Seconds between two log lines about ignored (malformed) cancel notices.
 NOISE_LOG_SECONDS: Final = 10.0
+
+
+class NoiseLog:
+    """Counts what any login can cause at will (malformed or forged notices, full relay
+    queues) and says when to log it: one line per NOISE_LOG_SECONDS at most, with the count
+    since the line before, so a flood cannot flood the log too."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._logged = -math.inf
+
+    def count(self, n: int = 1) -> int:
+        """Add `n`; the count to log now, or 0 while the last line is too recent."""
+        self._count += n
+        now = time.monotonic()
+        if now - self._logged < NOISE_LOG_SECONDS:
+            return 0
+        count, self._count, self._logged = self._count, 0, now
+        return count
 
 
 class ClaimBudget:
@@ -78,7 +98,8 @@ class Listener:
     After each (re)connect it sets `wake` too, because notifications sent while it was away are
     lost: the worker then claims once to catch up (and, after a reconnect, `on_schedules()`:
     the scheduler looks again); `on_connect()` is told of every connect (the relay's workers
-    must catch up after a relay of their host restarted, too).
+    must catch up after a relay of their host restarted, too). `after_batch(conn)` runs after
+    each batch of notices, on their connection between two reads (the relay's cancel check).
     """
 
     def __init__(
@@ -90,19 +111,20 @@ class Listener:
         worker_id: uuid.UUID,
         on_schedules: Callable[[], None] | None = None,
         on_connect: Callable[[], None] | None = None,
+        after_batch: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
     ) -> None:
         self._dsn = dsn
         self._on_connect = on_connect
         self._wake = wake
         self._on_cancel = on_cancel
         self._on_schedules = on_schedules
+        self._after_batch = after_batch
         self._worker_id = worker_id
         self.connected = asyncio.Event()
         self.reconnects = 0
         self.backend_pid: int | None = None
-        # Malformed cancel notices ignored since the last log line about them.
-        self._noise = 0
-        self._noise_logged = 0.0
+        # Malformed cancel notices ignored.
+        self._noise = NoiseLog()
 
     async def run(self) -> None:
         delay = 0.1
@@ -129,8 +151,14 @@ class Listener:
                         self._on_schedules()
                     if self._on_connect is not None:
                         self._on_connect()
-                    async for notice in conn.notifies():
-                        self._dispatch(notice.channel, notice.payload)
+                    while True:
+                        # One batch (what one read brought, or what came while the
+                        # connection was busy: psycopg keeps those since 3.2.4), then
+                        # `after_batch` may use the connection.
+                        async for notice in conn.notifies(stop_after=1):
+                            self._dispatch(notice.channel, notice.payload)
+                        if self._after_batch is not None:
+                            await self._after_batch(conn)
             except psycopg.OperationalError as exc:
                 self.connected.clear()
                 self.reconnects += 1
@@ -156,15 +184,10 @@ class Listener:
 
     def _ignore(self, payload: str) -> None:
         # Anyone with LISTEN/NOTIFY rights can send noise; it must never hurt a worker, nor
-        # flood its log: one line per NOISE_LOG_SECONDS, with the count.
-        self._noise += 1
-        now = time.monotonic()
-        if now - self._noise_logged < NOISE_LOG_SECONDS:
-            return
-        logger.info(
-            "ignoring %d malformed cancel notices (last: %r)", self._noise, payload[:100],
-            extra={"action": "cancel_notice_ignored", "worker_id": str(self._worker_id),
-                   "count": self._noise},
-        )
-        self._noise = 0
-        self._noise_logged = now
+        # flood its log.
+        if count := self._noise.count():
+            logger.info(
+                "ignoring %d malformed cancel notices (last: %r)", count, payload[:100],
+                extra={"action": "cancel_notice_ignored", "worker_id": str(self._worker_id),
+                       "count": count},
+            )

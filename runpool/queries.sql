@@ -717,6 +717,13 @@ JOIN unnest(%(ids)s::uuid[], %(attempts)s::integer[]) AS h(id, attempt)
 WHERE r.id = ANY(%(ids)s::uuid[]) AND r.lease_expires_at IS NOT NULL
   AND r.cancel_requested_at IS NOT NULL;
 
+-- name: confirm_cancel_notices
+-- Which of these runs are held with a cancel request (the host relay passes on only those).
+SELECT r.id
+FROM runpool.runs r
+WHERE r.id = ANY(%(ids)s::uuid[]) AND r.lease_expires_at IS NOT NULL
+  AND r.cancel_requested_at IS NOT NULL;
+
 -- name: purge_turn
 -- This pool's turn at the background purge (see 0015_ops): NULL when it is not its turn, else
 -- the runs one batch removed.

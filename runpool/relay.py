@@ -3,15 +3,16 @@ every worker process of the host and passes each doorbell, cancel notice and sch
 to them over a datagram socket pair per worker.
 
 Datagrams are 1 byte (W: wake, S: schedules changed) or 17 (C + the run id's 16 bytes); the
-relay has checked the cancel payload is a run id, so a worker parses nothing it could choke
-on. A worker that does not read its socket (stopped, restarting, or slow under load) must not hold
-the relay up: a cancel notice that does not fit is dropped (the next heartbeat reads the
-cancel flags of every run it renews), and a wake-up, schedules or listening notice that does
-not fit is kept, one of each kind per worker, and sent as soon as that worker's queue has
-room. A wake-up must not be dropped: any login can NOTIFY, and forged cancel notices fill a
-worker's queue (a few hundred datagrams: 278 on Linux by default) faster than a loaded worker
-reads it; a real doorbell dropped behind them left its run for the next poll (CI, once: a run
-not started 22 s after its enqueue, with polls a minute apart).
+relay has checked the cancel payload is a run id, and passes on only the cancels the database
+confirms (runpool.relay_confirm: any login can NOTIFY, and forged cancels must not reach the
+workers), so a worker parses nothing it could choke on. A worker that does not read its socket
+(stopped, restarting, or slow under load) must not hold the relay up: a cancel notice that does
+not fit is dropped (the next heartbeat reads the cancel flags of every run it renews), and a
+wake-up, schedules or listening notice that does not fit is kept, one of each kind per worker,
+and sent as soon as that worker's queue has room (a few hundred datagrams: 278 on Linux by
+default). A wake-up must not be dropped: a real doorbell dropped behind a full queue (of forged
+cancels, before they were checked) left its run for the next poll (CI, once: a run not started
+22 s after its enqueue, with polls a minute apart).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import logging
 import os
 import signal
 import socket
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from .listener import NOISE_LOG_SECONDS, Listener
+from .listener import Listener, NoiseLog
+from .relay_confirm import CancelConfirm
 
 __all__ = ["PROCESS_NAME", "RelayReader", "pair", "run_relay_process"]
 
@@ -63,9 +64,8 @@ class _Fanout:
         # wake-up (or schedules notice) stands for any number.
         self._kept: dict[int, set[bytes]] = {}
         self.dropped = 0
-        # Times an end's queue filled since the last log line, and when that was (see _keep).
-        self._fills = 0
-        self._fills_logged = -NOISE_LOG_SECONDS
+        # Times an end's queue filled (see _keep).
+        self._fills = NoiseLog()
 
     def send(self, message: bytes) -> None:
         for i, end in enumerate(self._ends):
@@ -94,17 +94,11 @@ class _Fanout:
     def _keep(self, i: int, message: bytes) -> None:
         self._kept[i] = {message}
         self._loop.add_writer(self._ends[i].fileno(), self._flush, i)
-        # A worker stopped, restarting or slow, or a flood of notices (any login can send
-        # them): one line per NOISE_LOG_SECONDS, with the count.
-        self._fills += 1
-        now = time.monotonic()
-        if now - self._fills_logged >= NOISE_LOG_SECONDS:
+        # A worker stopped, restarting or slow, or many real cancels at once.
+        if count := self._fills.count():
             logger.info("a worker's notice queue was full %d times (last: worker %d): its"
-                        " wake-up and schedule notices wait for room", self._fills, i,
-                        extra={"action": "relay_notice_kept", "worker": i,
-                               "count": self._fills})
-            self._fills = 0
-            self._fills_logged = now
+                        " wake-up and schedule notices wait for room", count, i,
+                        extra={"action": "relay_notice_kept", "worker": i, "count": count})
 
     def _flush(self, i: int) -> None:
         """Send what was kept for end `i`, as far as its queue has room."""
@@ -154,10 +148,17 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
     loop.add_signal_handler(signal.SIGUSR1, done.set)
     if parent_fd is not None:
         loop.add_reader(parent_fd, done.set)  # EOF: the supervisor is gone
+    cancels = CancelConfirm(lambda run_id: fanout.send(CANCEL + run_id.bytes))
+
+    def connected() -> None:
+        # What was pending is left to the workers: LISTENING makes them read every flag.
+        cancels.reset()
+        fanout.send(LISTENING)
+
     listener = Listener(
-        listen_dsn, wake, lambda run_id: fanout.send(CANCEL + run_id.bytes),
-        worker_id=RELAY_ID, on_schedules=lambda: fanout.send(SCHEDULES),
-        on_connect=lambda: fanout.send(LISTENING))
+        listen_dsn, wake, cancels.add, worker_id=RELAY_ID,
+        on_schedules=lambda: fanout.send(SCHEDULES), on_connect=connected,
+        after_batch=cancels.flush)
 
     async def wakes() -> None:
         # Wake-ups that arrive while one is being sent fold into the next: each worker claims
@@ -181,8 +182,10 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
     for task in failed:
         logger.error("relay task %s failed: %r", task.get_name(), task.exception(),
                      extra={"action": "relay_failed"})
-    logger.info("relay stopped (%d datagrams dropped)", fanout.dropped,
-                extra={"action": "relay_stopped", "dropped": fanout.dropped})
+    logger.info("relay stopped (%d datagrams dropped; cancel notices: %d unconfirmed, %d"
+                " dropped unchecked)", fanout.dropped, cancels.unconfirmed, cancels.dropped,
+                extra={"action": "relay_stopped", "dropped": fanout.dropped,
+                       "unconfirmed": cancels.unconfirmed, "unchecked": cancels.dropped})
     return 1 if failed else 0
 
 

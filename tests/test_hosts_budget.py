@@ -160,11 +160,13 @@ def test_budget__a_forged_notice_flood_through_the_listener_process_breaks_nothi
         assert "relay_failed" not in pool.log() and "Traceback" not in pool.log()
 
 
-def test_budget__a_doorbell_behind_a_full_queue_of_forged_cancels_still_wakes_its_worker(
+def test_budget__a_doorbell_behind_a_flood_of_forged_cancels_still_wakes_stopped_workers(
         conn: psycopg.Connection, dsn: str) -> None:
-    """Workers that read their relay sockets slowly (here: stopped) have their queues filled by
-    forged cancel notices; the doorbell of a run enqueued then is kept by the relay and
-    delivered once they read again, so the run starts on it, not on the next poll."""
+    """Workers that read their relay sockets slowly (here: stopped) once had their queues
+    filled by forged cancel notices, and a doorbell rung then was dropped. The relay now drops
+    forged cancels itself (it checks each against the database), so the doorbell of a run
+    enqueued behind 3,000 of them waits in the queue and the run starts on it, not on the
+    next poll."""
     # Two workers: a lone worker listens itself, with no relay between.
     with running_pool(dsn, workers=2, concurrency=2, poll_seconds=60,
                       lease_seconds=120) as pool:
@@ -183,14 +185,47 @@ def test_budget__a_doorbell_behind_a_full_queue_of_forged_cancels_still_wakes_it
             # More than a worker's queue holds (278 datagrams by default), one transaction.
             notify_flood(dsn, cancels=3_000)
             run_id = runpool.enqueue(conn, "acme", "noop", {})
-            # The relay has met the full queue with the doorbell (a notice dropped there
-            # before): the worker reads again only now.
-            wait_for(lambda: "action=relay_notice_kept" in pool.log(),
-                     what="the relay keeping the doorbell for the full queue")
+            wait_for(lambda: "action=relay_cancel_unconfirmed" in pool.log(),
+                     what="the relay dropping the forged cancels")
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
         wait_for(lambda: scalar(conn, "SELECT status FROM runpool.runs WHERE id = %s",
                                 run_id) == "succeeded", timeout=15,
                  what="the run started on its doorbell")
+        # No forged cancel reached a worker's queue.
+        assert "action=relay_notice_kept" not in pool.log()
+        assert "Traceback" not in pool.log()
+
+
+def test_budget__a_real_cancel_behind_a_flood_of_forged_ones_reaches_a_stopped_worker(
+        conn: psycopg.Connection, dsn: str) -> None:
+    """A real cancel sent behind 3,000 forged ones, while the worker of its run reads nothing
+    (stopped), lands as soon as it reads again, not at its next heartbeat (lease 300 s: 50 s
+    away). Before the relay checked cancels, the forged ones filled that worker's queue and the
+    real one was dropped."""
+    with running_pool(dsn, workers=2, concurrency=2, poll_seconds=60,
+                      lease_seconds=300) as pool:
+        wait_for(lambda: scalar(conn, LISTENERS) == 1, what="the host's LISTEN connection")
+        wait_for(lambda: pool.log().count("action=worker_started") == 2, what="both started")
+        hold = runpool.enqueue(conn, "acme", "hold", {})
+        wait_for(lambda: _count(conn, [hold], "running") == 1, timeout=10, what="hold running")
+        pid = scalar(conn, "SELECT w.pid FROM runpool.runs r JOIN runpool.workers w"
+                           " ON w.id = r.worker_id WHERE r.id = %s", hold)
+        assert pid in pool.workers()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            notify_flood(dsn, cancels=3_000)
+            conn.execute("SELECT runpool.cancel_run(%s, 'real')", (hold,))
+            # The relay is past the cancel: the other worker ran a run enqueued after it.
+            marker = runpool.enqueue(conn, "acme", "noop", {})
+            wait_for(lambda: _count(conn, [marker], "succeeded") == 1, timeout=10,
+                     what="a run enqueued after the cancel, on the other worker")
+            wait_for(lambda: "action=relay_cancel_unconfirmed" in pool.log(),
+                     what="the relay dropping the forged cancels")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: _count(conn, [hold], "cancelled") == 1, timeout=15,
+                 what="the real cancel, long before the heartbeat")
+        assert "action=relay_notice_kept" not in pool.log()
         assert "Traceback" not in pool.log()
