@@ -201,7 +201,7 @@ def test_budget__a_doorbell_behind_a_flood_of_forged_cancels_still_wakes_stopped
 def test_budget__a_real_cancel_behind_a_flood_of_forged_ones_reaches_a_stopped_worker(
         conn: psycopg.Connection, dsn: str) -> None:
     """A real cancel sent behind 3,000 forged ones, while the worker of its run reads nothing
-    (stopped), lands as soon as it reads again, not at its next heartbeat (lease 300 s: 50 s
+    (stopped), lands as soon as it reads again, not at its next heartbeat (lease 300 s: 100 s
     away). Before the relay checked cancels, the forged ones filled that worker's queue and the
     real one was dropped."""
     with running_pool(dsn, workers=2, concurrency=2, poll_seconds=60,
