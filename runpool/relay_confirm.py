@@ -2,19 +2,20 @@
 
 Any login can NOTIFY runpool_cancel. Unchecked, a sustained flood of forged cancels filled
 every worker's relay socket, so the real cancels among them were dropped and their runs learned
-of their cancel only from the next heartbeat (up to lease/6 later, seconds to minutes). The
+of their cancel only from the next heartbeat (up to lease/3 later, seconds to minutes). The
 relay now reads which of the named runs are held with a cancel request, one query per batch of
 notices on its own LISTEN connection (the host's connection budget does not grow), and passes
 on only those: a forged notice costs a row lookup, not a datagram to every worker. A run
 passed on is not passed on again for FORWARD_SPACING (a flood naming a real cancelled run
 sends one datagram a second, not one per notice). Where the read cannot be made (a statement
-timeout, a role that may not read runs), the notices go on unchecked, as before: each worker
-checks what it is sent anyway.
+timeout, a role that may not read runs), the notices go on unchecked, as before, for the next
+RECHECK_SECONDS: each worker checks what it is sent anyway.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -42,6 +43,9 @@ PENDING_MAX: Final = 100_000
 FORWARD_SPACING: Final = 1.0
 # Bounds the confirming read: it shares the connection with the host's doorbells.
 SET_TIMEOUT: Final = "SET statement_timeout = 2000"
+# Seconds notices go on unchecked after a read failed: a lock held for minutes (a migration)
+# must cost the doorbells one timed-out read per this long, not one per batch.
+RECHECK_SECONDS: Final = 10.0
 
 
 class CancelConfirm:
@@ -57,8 +61,11 @@ class CancelConfirm:
         self._forwarded: OrderedDict[uuid.UUID, float] = OrderedDict()
         # The connection whose statement_timeout is set.
         self._timed: psycopg.AsyncConnection[Any] | None = None
+        # Until when (monotonic) notices go on unchecked, after a failed read.
+        self._unchecked_until = -math.inf
         self.unconfirmed = 0
         self.dropped = 0
+        self.failed_reads = 0
         # Notices that named no run being cancelled (forged, or their run ended before the
         # read), and batches passed on unchecked: each logged with its count, not each time.
         self._noise = NoiseLog()
@@ -84,6 +91,9 @@ class CancelConfirm:
             ids = list(islice(self._pending, BATCH))
             for run_id in ids:
                 del self._pending[run_id]
+            if time.monotonic() < self._unchecked_until:
+                self._send(set(ids))
+                continue
             try:
                 if conn is not self._timed:
                     await conn.execute(SET_TIMEOUT)
@@ -121,6 +131,8 @@ class CancelConfirm:
                 self._forward(run_id)
 
     def _unchecked(self, ids: list[uuid.UUID], exc: psycopg.Error) -> None:
+        self.failed_reads += 1
+        self._unchecked_until = time.monotonic() + RECHECK_SECONDS
         if count := self._failures.count(len(ids)):
             logger.warning("could not check %d cancel notices, passed them on unchecked: %s",
                            count, one_line(exc),

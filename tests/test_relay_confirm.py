@@ -94,24 +94,27 @@ def test_relay_confirm__a_run_named_again_after_the_spacing_is_passed_on_again(
     assert passed == [run_id] * 3
 
 
-def test_relay_confirm__a_read_held_by_a_lock_times_out_and_passes_the_batch_on_unchecked(
+def test_relay_confirm__a_read_held_by_a_lock_times_out_and_passes_notices_on_unchecked(
         conn: psycopg.Connection, dsn: str, caplog: pytest.LogCaptureFixture) -> None:
     """A migration's lock on the runs table must not hold the notices (nor the doorbells that
     share the connection) for longer than the read's timeout: past it, the batch goes on
-    unchecked, as before the check, and each worker reads the flags of what it is sent."""
+    unchecked, as before the check (each worker reads the flags of what it is sent), and so
+    do the batches after it for RECHECK_SECONDS, with no read to wait for."""
     caplog.set_level(logging.WARNING, logger="runpool.relay")
-    forged = [uuid.uuid4() for _ in range(3)]
+    first, second = [uuid.uuid4() for _ in range(3)], [uuid.uuid4() for _ in range(2)]
 
     async def script(passed: list[uuid.UUID], _check: CancelConfirm) -> None:
-        await _notify(dsn, named=forged, named_each=1)
+        await _notify(dsn, named=first, named_each=1)
         await until(lambda: len(passed) == 3, what="the batch passed on unchecked")
+        await _notify(dsn, named=second, named_each=1)
+        await until(lambda: len(passed) == 5, what="the next batch, with no read")
 
     with psycopg.connect(dsn) as locker:  # a transaction of its own, held
         locker.execute("LOCK TABLE runpool.runs IN ACCESS EXCLUSIVE MODE")
         passed, check = asyncio.run(_relaying(dsn, script))
         locker.rollback()
-    assert sorted(passed) == sorted(forged)
-    assert check.unconfirmed == 0
+    assert sorted(passed[:3]) == sorted(first) and sorted(passed[3:]) == sorted(second)
+    assert check.failed_reads == 1 and check.unconfirmed == 0
     failures = [r for r in caplog.records
                 if getattr(r, "action", "") == "relay_cancel_check_failed"]
     assert len(failures) == 1 and "statement timeout" in failures[0].getMessage()
