@@ -8,16 +8,16 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Final
 
 import psycopg
 
 from .db import aconnect, application_name
 from .errors import one_line
 
-__all__ = ["CANCEL", "LISTEN", "LISTEN_NAME", "NOISE_LOG_SECONDS", "SCHEDULES", "WAKEUP",
-           "ClaimBudget", "Listener", "NoiseLog"]
+__all__ = ["CANCEL", "LISTEN_NAME", "NOISE_LOG_SECONDS", "SCHEDULES", "WAKEUP", "ClaimBudget",
+           "Listener", "NoiseLog"]
 
 logger = logging.getLogger("runpool.listener")
 
@@ -98,8 +98,7 @@ class Listener:
     After each (re)connect it sets `wake` too, because notifications sent while it was away are
     lost: the worker then claims once to catch up (and, after a reconnect, `on_schedules()`:
     the scheduler looks again); `on_connect()` is told of every connect (the relay's workers
-    must catch up after a relay of their host restarted, too). `after_batch(conn)` runs after
-    each batch of notices, on their connection between two reads (the relay's cancel check).
+    must catch up after a relay of their host restarted, too).
     """
 
     def __init__(
@@ -111,14 +110,12 @@ class Listener:
         worker_id: uuid.UUID,
         on_schedules: Callable[[], None] | None = None,
         on_connect: Callable[[], None] | None = None,
-        after_batch: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
     ) -> None:
         self._dsn = dsn
         self._on_connect = on_connect
         self._wake = wake
         self._on_cancel = on_cancel
         self._on_schedules = on_schedules
-        self._after_batch = after_batch
         self._worker_id = worker_id
         self.connected = asyncio.Event()
         self.reconnects = 0
@@ -151,14 +148,8 @@ class Listener:
                         self._on_schedules()
                     if self._on_connect is not None:
                         self._on_connect()
-                    while True:
-                        # One batch (what one read brought, or what came while the
-                        # connection was busy: psycopg keeps those since 3.2.4), then
-                        # `after_batch` may use the connection.
-                        async for notice in conn.notifies(stop_after=1):
-                            self._dispatch(notice.channel, notice.payload)
-                        if self._after_batch is not None:
-                            await self._after_batch(conn)
+                    async for notice in conn.notifies():
+                        self._dispatch(notice.channel, notice.payload)
             except psycopg.OperationalError as exc:
                 self.connected.clear()
                 self.reconnects += 1

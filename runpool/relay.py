@@ -6,12 +6,12 @@ Datagrams are 1 byte (W: wake, S: schedules changed) or 17 (C + the run id's 16 
 relay has checked the cancel payload is a run id, and passes on only the cancels the database
 confirms (runpool.relay_confirm: any login can NOTIFY, and forged cancels must not reach the
 workers), so a worker parses nothing it could choke on. A worker that does not read its socket
-(stopped, restarting, or slow under load) must not hold the relay up: a cancel notice that does
-not fit is dropped (the next heartbeat reads the cancel flags of every run it renews), and a
-wake-up, schedules or listening notice that does not fit is kept, one of each kind per worker,
-and sent as soon as that worker's queue has room (a few hundred datagrams: 278 on Linux by
-default). A wake-up must not be dropped: a real doorbell dropped behind a full queue (of forged
-cancels, before they were checked) left its run for the next poll (CI, once: a run not started
+(stopped, restarting, or slow under load) must not hold the relay up, and must not lose a
+notice: a cancel notice that does not fit becomes a recheck (R: read the cancel flags of every
+run held), and a wake-up, schedules, listening or recheck notice that does not fit is kept, one
+of each kind per worker, and sent as soon as that worker's queue has room (a few hundred
+datagrams: 278 on Linux by default). A real doorbell dropped behind a full queue (of forged
+cancels, before they were checked) once left its run for the next poll (CI: a run not started
 22 s after its enqueue, with polls a minute apart).
 """
 
@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -40,6 +42,14 @@ SCHEDULES: Final = b"S"
 # The relay (re)connected: notices sent while it was away are lost.
 LISTENING: Final = b"L"
 CANCEL: Final = b"C"
+# Cancel notices were dropped (a full queue, or too many to check at once): read the cancel
+# flags of every run held.
+RECHECK: Final = b"R"
+# Which kept notice goes first when a full queue frees a place.
+KEPT_ORDER: Final = (WAKE, LISTENING, SCHEDULES, RECHECK)
+# Seconds between two rechecks the relay asks of every worker: a flood must not turn into
+# back-to-back flag reads.
+RECHECK_SPACING: Final = 0.5
 # The most datagrams a worker reads at once, past the one it waited for (a turn of its loop).
 READ_BURST: Final = 1024
 # The relay's id on its log lines (a relay is no worker; this marks whose line it is).
@@ -61,7 +71,7 @@ class _Fanout:
         self._ends = ends
         self._loop = asyncio.get_running_loop()
         # The notices kept for an end whose queue was full, by the end's index: a set, as one
-        # wake-up (or schedules notice) stands for any number.
+        # wake-up (or schedules notice, or recheck) stands for any number.
         self._kept: dict[int, set[bytes]] = {}
         self.dropped = 0
         # Times an end's queue filled (see _keep).
@@ -83,10 +93,11 @@ class _Fanout:
                 except OSError:  # its worker end is gone
                     self.dropped += 1
                     continue
-            # No room: a cancel is dropped, anything else kept.
+            # No room: a cancel becomes a recheck (one stands for any number of them).
             if message.startswith(CANCEL):
                 self.dropped += 1
-            elif i in self._kept:
+                message = RECHECK
+            if i in self._kept:
                 self._kept[i].add(message)
             else:
                 self._keep(i, message)
@@ -97,14 +108,15 @@ class _Fanout:
         # A worker stopped, restarting or slow, or many real cancels at once.
         if count := self._fills.count():
             logger.info("a worker's notice queue was full %d times (last: worker %d): its"
-                        " wake-up and schedule notices wait for room", count, i,
+                        " wake-up, schedules and recheck notices wait for room", count, i,
                         extra={"action": "relay_notice_kept", "worker": i, "count": count})
 
     def _flush(self, i: int) -> None:
         """Send what was kept for end `i`, as far as its queue has room."""
         kept = self._kept[i]
         while kept:
-            message = next(iter(kept))
+            # The doorbell first: a run waits on it, while a recheck only hurries a cancel.
+            message = min(kept, key=KEPT_ORDER.index)
             try:
                 self._ends[i].send(message)
             except BlockingIOError:
@@ -124,22 +136,64 @@ class _Fanout:
         self._kept.clear()
 
 
+class _Rechecks:
+    """Asks every worker to read its runs' cancel flags (cancel notices were dropped before
+    they could be checked), at most once per RECHECK_SPACING: the ask that comes sooner is
+    sent when the spacing is up, not lost."""
+
+    def __init__(self, fanout: _Fanout) -> None:
+        self._fanout = fanout
+        self._loop = asyncio.get_running_loop()
+        self._sent = -math.inf
+        self._timer: asyncio.TimerHandle | None = None
+
+    def request(self) -> None:
+        if self._timer is not None:
+            return  # one is due already
+        wait = self._sent + RECHECK_SPACING - self._loop.time()
+        if wait <= 0:
+            self._send()
+        else:
+            self._timer = self._loop.call_later(wait, self._send)
+
+    def _send(self) -> None:
+        self._timer = None
+        self._sent = self._loop.time()
+        self._fanout.send(RECHECK)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 # The relay process's name (Linux: ps, top and /proc/PID/comm show it), which tells it from the
 # workers forked from the same supervisor.
 PROCESS_NAME: Final = "runpool-listen"
 
 
 def run_relay_process(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None, *,
+                      check_dsn: str, stateless: bool,
                       loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> int:
     """The body of the relay process (on the workers' kind of event loop, `loop_factory`);
-    returns its exit code."""
+    returns its exit code. Cancel notices are checked on `check_dsn` (the work DSN;
+    `stateless`: behind a pooler)."""
     with contextlib.suppress(OSError):  # not Linux: the name is only a convenience
         Path("/proc/self/comm").write_text(PROCESS_NAME)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_relay(listen_dsn, ends, parent_fd))
+        return runner.run(_relay(listen_dsn, ends, parent_fd,
+                                 CancelChecking(check_dsn, stateless)))
 
 
-async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None) -> int:
+@dataclass(frozen=True)
+class CancelChecking:
+    """Where the relay checks cancel notices (runpool.relay_confirm)."""
+
+    dsn: str
+    stateless: bool
+
+
+async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None,
+                 checking: CancelChecking) -> int:
     loop = asyncio.get_running_loop()
     fanout = _Fanout(ends)
     wake = asyncio.Event()
@@ -148,7 +202,10 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
     loop.add_signal_handler(signal.SIGUSR1, done.set)
     if parent_fd is not None:
         loop.add_reader(parent_fd, done.set)  # EOF: the supervisor is gone
-    cancels = CancelConfirm(lambda run_id: fanout.send(CANCEL + run_id.bytes))
+    rechecks = _Rechecks(fanout)
+    cancels = CancelConfirm(checking.dsn, stateless=checking.stateless,
+                            forward=lambda run_id: fanout.send(CANCEL + run_id.bytes),
+                            recheck=rechecks.request)
 
     def connected() -> None:
         # What was pending is left to the workers: LISTENING makes them read every flag.
@@ -157,8 +214,7 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
 
     listener = Listener(
         listen_dsn, wake, cancels.add, worker_id=RELAY_ID,
-        on_schedules=lambda: fanout.send(SCHEDULES), on_connect=connected,
-        after_batch=cancels.flush)
+        on_schedules=lambda: fanout.send(SCHEDULES), on_connect=connected)
 
     async def wakes() -> None:
         # Wake-ups that arrive while one is being sent fold into the next: each worker claims
@@ -169,7 +225,8 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
             fanout.send(WAKE)
 
     tasks = [asyncio.create_task(listener.run(), name="relay-listener"),
-             asyncio.create_task(wakes(), name="relay-wakes")]
+             asyncio.create_task(wakes(), name="relay-wakes"),
+             asyncio.create_task(cancels.run(), name="relay-cancel-checks")]
     logger.info("relaying notices to %d workers", len(ends),
                 extra={"action": "relay_started", "pid": os.getpid()})
     stopper = asyncio.ensure_future(done.wait())
@@ -177,6 +234,7 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
     for task in [*tasks, stopper]:
         task.cancel()
     await asyncio.gather(*tasks, stopper, return_exceptions=True)
+    rechecks.close()
     fanout.close()
     failed = [t for t in finished if t is not stopper and not t.cancelled() and t.exception()]
     for task in failed:
@@ -236,6 +294,10 @@ class RelayReader:
                 self._on_listening()
         elif kind == CANCEL and len(data) == 17:
             self._on_cancel(uuid.UUID(bytes=data[1:]))
+        elif kind == RECHECK:
+            # Cancel notices were dropped on the way: the flags are read instead.
+            if self._on_listening is not None:
+                self._on_listening()
         else:  # only the relay writes here; log, never fail, on what it cannot have sent
             logger.warning("ignoring an unknown relay datagram %r", data[:20],
                            extra={"action": "relay_datagram_ignored", **self._log})

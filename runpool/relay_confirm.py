@@ -3,121 +3,162 @@
 Any login can NOTIFY runpool_cancel. Unchecked, a sustained flood of forged cancels filled
 every worker's relay socket, so the real cancels among them were dropped and their runs learned
 of their cancel only from the next heartbeat (up to lease/3 later, seconds to minutes). The
-relay now reads which of the named runs are held with a cancel request, one query per batch of
-notices on its own LISTEN connection (the host's connection budget does not grow), and passes
-on only those: a forged notice costs a row lookup, not a datagram to every worker. A run
-passed on is not passed on again for FORWARD_SPACING (a flood naming a real cancelled run
-sends one datagram a second, not one per notice). Where the read cannot be made (a statement
-timeout, a role that may not read runs), the notices go on unchecked, as before, for the next
-RECHECK_SECONDS: each worker checks what it is sent anyway.
+relay now reads which of the named runs are held with a cancel request and passes on only
+those: a forged notice costs a row lookup, not a datagram to every worker. A run passed on is
+not passed on again for FORWARD_SPACING (a flood naming a real cancelled run sends one datagram
+a second, not one per notice).
+
+The reads go on a connection of their own (on the work DSN; opened when notices come, closed
+after IDLE_SECONDS without), in a task of their own, never on the LISTEN connection: a
+statement there makes the server send every notification queued for it along with the
+answer, and under a flood psycopg then holds the server's whole queue in memory (a first
+version grew by 130 MB a second under two flooding sessions), while the doorbells waited
+behind the reads. At most BATCH ids wait for a read: past that, a notice is dropped and every
+worker is asked to read its runs' cancel flags instead (`recheck`), so a real cancel among the
+dropped still lands. Where a read fails (its timeout, a lock, a role that may not read runs, a
+lost connection), the notices go on unchecked, as before, for UNCHECKED_SECONDS: each worker
+checks what it is sent anyway.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from itertools import islice
 from typing import Any, Final
 
 import psycopg
 
+from .db import aconnect, application_name
 from .errors import one_line
-from .listener import LISTEN, NoiseLog
+from .listener import NoiseLog
 from .queries import QUERIES
 
-__all__ = ["CancelConfirm"]
+__all__ = ["CHECK_NAME", "CancelConfirm"]
 
 logger = logging.getLogger("runpool.relay")
 
-# Run ids per confirming read: each is an index lookup, so one read stays a few milliseconds,
-# and doorbells that arrive meanwhile wait at most that long.
+# The check connection's application_name, before "@host" (`status` counts it as work).
+CHECK_NAME: Final = "runpool-relay"
+# Run ids waiting for a read, at most: each is an index lookup, so a read stays a few
+# milliseconds (5,000 ids: 11 ms).
 BATCH: Final = 5_000
-# Notices waiting to be confirmed, at most (about 200 bytes each); past it a notice is dropped
-# (and counted): the heartbeat reads every held run's cancel flag anyway.
-PENDING_MAX: Final = 100_000
 # Seconds before a run passed on may be passed on again.
 FORWARD_SPACING: Final = 1.0
-# Bounds the confirming read: it shares the connection with the host's doorbells.
-SET_TIMEOUT: Final = "SET statement_timeout = 2000"
+# Seconds a read may take before its notices go on unchecked.
+READ_SECONDS: Final = 2.0
 # Seconds notices go on unchecked after a read failed: a lock held for minutes (a migration)
-# must cost the doorbells one timed-out read per this long, not one per batch.
-RECHECK_SECONDS: Final = 10.0
+# must cost one timed-out read per this long, not one per batch.
+UNCHECKED_SECONDS: Final = 10.0
+# Seconds without notices before the check connection is closed.
+IDLE_SECONDS: Final = 60.0
 
 
 class CancelConfirm:
-    """`add(run_id)` for each cancel notice; `flush(conn)` after each batch of notices, on the
-    LISTEN connection they came on, calls `forward(run_id)` for those the database confirms;
-    `reset()` when that connection is new (the workers then read every flag themselves)."""
+    """`add(run_id)` for each cancel notice (on the relay's loop); `run()`, a task, reads which
+    are confirmed on a connection to `dsn` (`stateless`: behind a pooler) and calls
+    `forward(run_id)` for each, and `recheck()` when notices were dropped unread; `reset()` when
+    the LISTEN connection is new (the workers then read every flag themselves)."""
 
-    def __init__(self, forward: Callable[[uuid.UUID], None]) -> None:
+    def __init__(self, dsn: str, *, stateless: bool, forward: Callable[[uuid.UUID], None],
+                 recheck: Callable[[], None]) -> None:
+        self._dsn = dsn
+        self._stateless = stateless
         self._forward = forward
-        # Insertion-ordered set: a notice repeated within a batch is read once.
+        self._recheck = recheck
+        # Insertion-ordered set: a notice repeated before its read is read once.
         self._pending: dict[uuid.UUID, None] = {}
+        self._ready = asyncio.Event()
         # Runs passed on, by when (monotonic), oldest first.
         self._forwarded: OrderedDict[uuid.UUID, float] = OrderedDict()
-        # The connection whose statement_timeout is set.
-        self._timed: psycopg.AsyncConnection[Any] | None = None
+        self._conn: psycopg.AsyncConnection[Any] | None = None
         # Until when (monotonic) notices go on unchecked, after a failed read.
         self._unchecked_until = -math.inf
         self.unconfirmed = 0
         self.dropped = 0
         self.failed_reads = 0
         # Notices that named no run being cancelled (forged, or their run ended before the
-        # read), and batches passed on unchecked: each logged with its count, not each time.
+        # read), notices dropped past BATCH, and failed reads: each logged with its count, at
+        # most every NOISE_LOG_SECONDS.
         self._noise = NoiseLog()
+        self._floods = NoiseLog()
         self._failures = NoiseLog()
 
     def add(self, run_id: uuid.UUID) -> None:
-        if len(self._pending) < PENDING_MAX:
+        if len(self._pending) < BATCH or run_id in self._pending:
             self._pending[run_id] = None
-        else:
-            self.dropped += 1
+            self._ready.set()
+            return
+        self.dropped += 1
+        if count := self._floods.count():
+            logger.info("dropped %d cancel notices past %d waiting for their check: the"
+                        " workers read their runs' cancel flags instead", count, BATCH,
+                        extra={"action": "relay_cancel_overflow", "count": count})
+        self._recheck()
 
     def reset(self) -> None:
         """Notices flow anew: those pending are left to the workers' catch-up read."""
         self.dropped += len(self._pending)
         self._pending.clear()
 
-    async def flush(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """Confirm what is pending, BATCH ids per read. A lost connection raises (the listener
-        reconnects, and the workers catch up); anything else passes the batch on unchecked."""
-        if not self._pending:
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(self._ready.wait(), IDLE_SECONDS)
+                except TimeoutError:
+                    await self._close()  # the budget's extra connection, only while in use
+                    continue
+                self._ready.clear()
+                ids = list(self._pending)
+                self._pending.clear()
+                if ids:
+                    await self._check(ids)
+        finally:
+            await self._close()
+
+    async def _check(self, ids: list[uuid.UUID]) -> None:
+        if time.monotonic() < self._unchecked_until:
+            self._send(set(ids))
             return
-        while self._pending:
-            ids = list(islice(self._pending, BATCH))
-            for run_id in ids:
-                del self._pending[run_id]
-            if time.monotonic() < self._unchecked_until:
-                self._send(set(ids))
-                continue
-            try:
-                if conn is not self._timed:
-                    await conn.execute(SET_TIMEOUT)
-                    self._timed = conn
-                cur = await conn.execute(QUERIES["confirm_cancel_notices"], {"ids": ids})
-                confirmed = {row[0] for row in await cur.fetchall()}
-            except psycopg.errors.QueryCanceled as exc:
-                self._unchecked(ids, exc)
-                continue
-            except psycopg.OperationalError:
-                raise
-            except psycopg.Error as exc:  # a role that may not read runs, say
-                self._unchecked(ids, exc)
-                continue
-            self._send(confirmed)
-            noise = len(ids) - len(confirmed)
-            self.unconfirmed += noise
-            if noise and (count := self._noise.count(noise)):
-                logger.info("dropped %d cancel notices naming no run with a cancel request",
-                            count, extra={"action": "relay_cancel_unconfirmed", "count": count})
-        # The LISTEN again, a no-op to the server: pg_stat_activity shows a session's last
-        # statement, and that is how an operator (and the tests) tell the host's LISTEN
-        # connection at a glance.
-        await conn.execute(LISTEN)
+        try:
+            confirmed = await asyncio.wait_for(self._read(ids), READ_SECONDS)
+        except (psycopg.Error, TimeoutError) as exc:
+            # The connection may be mid-statement or gone: a new one for the next read.
+            await self._close()
+            self.failed_reads += 1
+            self._unchecked_until = time.monotonic() + UNCHECKED_SECONDS
+            if count := self._failures.count(len(ids)):
+                logger.warning(
+                    "could not check %d cancel notices, passing them on unchecked for %.0f s:"
+                    " %s", count, UNCHECKED_SECONDS, one_line(exc) or type(exc).__name__,
+                    extra={"action": "relay_cancel_check_failed", "count": count})
+            self._send(set(ids))
+            return
+        self._send(confirmed)
+        noise = len(ids) - len(confirmed)
+        self.unconfirmed += noise
+        if noise and (count := self._noise.count(noise)):
+            logger.info("dropped %d cancel notices naming no run with a cancel request",
+                        count, extra={"action": "relay_cancel_unconfirmed", "count": count})
+
+    async def _read(self, ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        if self._conn is None:
+            self._conn = await aconnect(self._dsn, autocommit=True, stateless=self._stateless,
+                                        name=application_name(CHECK_NAME))
+        cur = await self._conn.execute(QUERIES["confirm_cancel_notices"], {"ids": ids})
+        return {row[0] for row in await cur.fetchall()}
+
+    async def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
 
     def _send(self, run_ids: set[uuid.UUID]) -> None:
         now = time.monotonic()
@@ -129,12 +170,3 @@ class CancelConfirm:
             if run_id not in forwarded:
                 forwarded[run_id] = now
                 self._forward(run_id)
-
-    def _unchecked(self, ids: list[uuid.UUID], exc: psycopg.Error) -> None:
-        self.failed_reads += 1
-        self._unchecked_until = time.monotonic() + RECHECK_SECONDS
-        if count := self._failures.count(len(ids)):
-            logger.warning("could not check %d cancel notices, passed them on unchecked: %s",
-                           count, one_line(exc),
-                           extra={"action": "relay_cancel_check_failed", "count": count})
-        self._send(set(ids))

@@ -230,6 +230,7 @@ class Supervisor:
                 worker_end.close()
             return run_relay_process(self.settings.listen_dsn or self.dsn,
                                      [ends[0] for ends in self._pairs], self._read_fd,
+                                     check_dsn=self.dsn, stateless=self.settings.stateless,
                                      loop_factory=_loop_factory(self.settings))
         for i, (listener_end, worker_end) in enumerate(self._pairs):
             listener_end.close()

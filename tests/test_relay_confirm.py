@@ -1,7 +1,8 @@
 """The host relay checks cancel notices against the database before passing any on
-(runpool.relay_confirm): on a real LISTEN connection, forged notices are read and dropped, a real
-cancel is passed on once however often it is named, and a read that cannot be made passes the
-batch on unchecked instead of holding it (or the doorbells behind it)."""
+(runpool.relay_confirm), on a connection of its own: fed by a real LISTEN connection, forged
+notices are read and dropped, a real cancel is passed on once however often it is named, more
+notices than a read takes become a recheck for every worker, and a read that fails (a lock, a
+killed connection) passes notices on unchecked instead of holding them."""
 
 from __future__ import annotations
 
@@ -17,32 +18,50 @@ import pytest
 import runpool
 from runpool import relay_confirm
 from runpool.listener import Listener
-from runpool.relay_confirm import CancelConfirm
+from runpool.relay_confirm import CHECK_NAME, CancelConfirm
 from runpool.testing.hostile import notify_flood
-from tests.helpers import claim_told, until
-
-Script = Callable[[list[uuid.UUID], CancelConfirm], Awaitable[None]]
+from tests.helpers import claim_told, scalar, until, wait_for
 
 
-async def _relaying(dsn: str, script: Script) -> tuple[list[uuid.UUID], CancelConfirm]:
-    """A Listener with the relay's check on `dsn`; once it listens, `script(passed_on, check)`
-    sends notices and waits for what it needs; returns what was passed on, in order."""
-    passed: list[uuid.UUID] = []
-    check = CancelConfirm(passed.append)
-    listener = Listener(dsn, asyncio.Event(), check.add, worker_id=uuid.uuid4(),
-                        on_connect=check.reset, after_batch=check.flush)
-    task = asyncio.create_task(listener.run())
-    try:
-        await asyncio.wait_for(listener.connected.wait(), 10)
-        await script(passed, check)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    return passed, check
+class _Relay:
+    """A CancelConfirm checking on `dsn`, fed by a Listener on `dsn`: what it passed on, in
+    order, and how many rechecks it asked for."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.passed: list[uuid.UUID] = []
+        self.rechecks = 0
+        self.check = CancelConfirm(dsn, stateless=False, forward=self.passed.append,
+                                   recheck=self._recheck)
+
+    def _recheck(self) -> None:
+        self.rechecks += 1
+
+    async def notify(self, **flood: Any) -> None:
+        await asyncio.to_thread(notify_flood, self.dsn, **flood)
 
 
-async def _notify(dsn: str, **flood: Any) -> None:
-    await asyncio.to_thread(notify_flood, dsn, **flood)
+Script = Callable[[_Relay], Awaitable[None]]
+
+
+def _relaying(dsn: str, script: Script) -> _Relay:
+    """Run `script(relay)` once the relay's Listener listens; the relay afterwards."""
+    relay = _Relay(dsn)
+
+    async def main() -> None:
+        listener = Listener(dsn, asyncio.Event(), relay.check.add, worker_id=uuid.uuid4(),
+                            on_connect=relay.check.reset)
+        tasks = [asyncio.create_task(listener.run()), asyncio.create_task(relay.check.run())]
+        try:
+            await asyncio.wait_for(listener.connected.wait(), 10)
+            await script(relay)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    return relay
 
 
 def _held(conn: psycopg.Connection, dsn: str, n: int) -> list[uuid.UUID]:
@@ -52,81 +71,129 @@ def _held(conn: psycopg.Connection, dsn: str, n: int) -> list[uuid.UUID]:
     return runs
 
 
+def _cancel(conn: psycopg.Connection, *run_ids: uuid.UUID) -> None:
+    for run_id in run_ids:
+        conn.execute("SELECT runpool.cancel_run(%s, 'real')", (run_id,))
+
+
 def test_relay_confirm__passes_on_only_held_runs_with_a_cancel_request_once_each(
         conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Long enough that a run named again and again is never passed on twice in this test.
     monkeypatch.setattr(relay_confirm, "FORWARD_SPACING", 3600.0)
     cancelled, uncancelled, last = _held(conn, dsn, 3)
     queued = runpool.enqueue(conn, "acme", "noop", {})
-    for run_id in (cancelled, queued, last):  # the queued one ends at once: no lease
-        conn.execute("SELECT runpool.cancel_run(%s, 'real')", (run_id,))
+    _cancel(conn, cancelled, queued, last)  # the queued one ends at once: no lease
 
-    async def script(passed: list[uuid.UUID], _check: CancelConfirm) -> None:
+    async def script(relay: _Relay) -> None:
         # 2,000 random ids; the held run with no request and the ended one, 20 times each;
         # the real cancel 20 times; each named in a transaction of its own.
-        await _notify(dsn, cancels=2_000, named=[uncancelled, queued, cancelled],
-                      named_each=20)
+        await relay.notify(cancels=2_000, named=[uncancelled, queued, cancelled], named_each=20)
         # Notices are read and checked in order: once the last is passed on, all were.
-        await _notify(dsn, named=[last], named_each=1)
-        await until(lambda: last in passed, what="the last notice passed on")
+        await relay.notify(named=[last], named_each=1)
+        await until(lambda: last in relay.passed, what="the last notice passed on")
 
-    passed, check = asyncio.run(_relaying(dsn, script))
-    assert passed == [cancelled, last]
-    assert check.unconfirmed >= 2_002  # a name repeated within a batch is read once
-    assert check.dropped == 0
+    relay = _relaying(dsn, script)
+    assert relay.passed == [cancelled, last]
+    assert relay.check.unconfirmed >= 2_002  # a name repeated before its read is read once
+    assert relay.check.dropped == 0 and relay.rechecks == 0
 
 
 def test_relay_confirm__a_run_named_again_after_the_spacing_is_passed_on_again(
         conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(relay_confirm, "FORWARD_SPACING", 0.0)
     (run_id,) = _held(conn, dsn, 1)
-    conn.execute("SELECT runpool.cancel_run(%s, 'real')", (run_id,))
+    _cancel(conn, run_id)
 
-    async def script(passed: list[uuid.UUID], _check: CancelConfirm) -> None:
+    async def script(relay: _Relay) -> None:
         def reached(n: int) -> Callable[[], bool]:
-            return lambda: len(passed) >= n
+            return lambda: len(relay.passed) >= n
 
-        for n in (1, 2, 3):  # one at a time: each its own batch
-            await _notify(dsn, named=[run_id], named_each=1)
+        for n in (1, 2, 3):  # one at a time: each its own read
+            await relay.notify(named=[run_id], named_each=1)
             await until(reached(n), what=f"notice {n} passed on")
 
-    passed, _ = asyncio.run(_relaying(dsn, script))
-    assert passed == [run_id] * 3
+    assert _relaying(dsn, script).passed == [run_id] * 3
 
 
-def test_relay_confirm__a_read_held_by_a_lock_times_out_and_passes_notices_on_unchecked(
-        conn: psycopg.Connection, dsn: str, caplog: pytest.LogCaptureFixture) -> None:
-    """A migration's lock on the runs table must not hold the notices (nor the doorbells that
-    share the connection) for longer than the read's timeout: past it, the batch goes on
-    unchecked, as before the check (each worker reads the flags of what it is sent), and so
-    do the batches after it for RECHECK_SECONDS, with no read to wait for."""
+def test_relay_confirm__notices_past_what_waits_for_a_read_become_a_recheck(
+        conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More notices than wait for one read: the rest are dropped and every worker is asked to
+    read its runs' flags instead, so a real cancel among them still lands (and a flood
+    faster than the reads never piles up in memory)."""
+    monkeypatch.setattr(relay_confirm, "BATCH", 3)
+    (cancelled,) = _held(conn, dsn, 1)
+    _cancel(conn, cancelled)
+    relay = _Relay(dsn)
+
+    async def main() -> None:
+        # Added on the loop with no turn between: the reading task has taken none yet.
+        for run_id in [uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), cancelled, uuid.uuid4()]:
+            relay.check.add(run_id)
+        assert (relay.check.dropped, relay.rechecks) == (2, 2)
+        task = asyncio.create_task(relay.check.run())
+        try:
+            await until(lambda: relay.check.unconfirmed == 3, what="the 3 read")
+            relay.check.add(cancelled)  # named again: read this time
+            await until(lambda: relay.passed == [cancelled], what="the real cancel")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_relay_confirm__a_read_held_by_a_lock_times_out_and_notices_go_on_unchecked(
+        conn: psycopg.Connection, dsn: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A migration's lock on the runs table must not hold the cancels: past the read's
+    timeout the notices go on unchecked, as before the check (each worker reads the flags of
+    what it is sent), and so do those after it for UNCHECKED_SECONDS, with no read."""
+    monkeypatch.setattr(relay_confirm, "READ_SECONDS", 0.5)
     caplog.set_level(logging.WARNING, logger="runpool.relay")
     first, second = [uuid.uuid4() for _ in range(3)], [uuid.uuid4() for _ in range(2)]
 
-    async def script(passed: list[uuid.UUID], _check: CancelConfirm) -> None:
-        await _notify(dsn, named=first, named_each=1)
-        await until(lambda: len(passed) == 3, what="the batch passed on unchecked")
-        await _notify(dsn, named=second, named_each=1)
-        await until(lambda: len(passed) == 5, what="the next batch, with no read")
+    async def script(relay: _Relay) -> None:
+        await relay.notify(named=first, named_each=1)
+        await until(lambda: len(relay.passed) == 3, what="the first passed on unchecked")
+        await relay.notify(named=second, named_each=1)
+        await until(lambda: len(relay.passed) == 5, what="the next, with no read")
 
     with psycopg.connect(dsn) as locker:  # a transaction of its own, held
         locker.execute("LOCK TABLE runpool.runs IN ACCESS EXCLUSIVE MODE")
-        passed, check = asyncio.run(_relaying(dsn, script))
+        relay = _relaying(dsn, script)
         locker.rollback()
-    assert sorted(passed[:3]) == sorted(first) and sorted(passed[3:]) == sorted(second)
-    assert check.failed_reads == 1 and check.unconfirmed == 0
+    assert sorted(relay.passed[:3]) == sorted(first) and sorted(relay.passed[3:]) == sorted(second)
+    assert relay.check.failed_reads == 1 and relay.check.unconfirmed == 0
     failures = [r for r in caplog.records
                 if getattr(r, "action", "") == "relay_cancel_check_failed"]
-    assert len(failures) == 1 and "statement timeout" in failures[0].getMessage()
+    assert len(failures) == 1, failures
 
 
-def test_relay_confirm__a_full_backlog_drops_what_it_cannot_hold_and_counts_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(relay_confirm, "PENDING_MAX", 3)
-    check = CancelConfirm(lambda _run_id: None)
-    for _ in range(5):
-        check.add(uuid.uuid4())
-    assert check.dropped == 2
-    check.reset()  # a new connection: the workers read every flag themselves
-    assert check.dropped == 5
+# The relay's check connection, seen from the server.
+CHECKER_PIDS = """
+SELECT pid FROM pg_stat_activity
+WHERE datname = current_database() AND application_name LIKE %s
+"""
 
+
+def test_relay_confirm__a_killed_check_connection_is_replaced_after_the_unchecked_spell(
+        conn: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_confirm, "UNCHECKED_SECONDS", 0.0)
+    forged = uuid.uuid4()
+
+    async def script(relay: _Relay) -> None:
+        await relay.notify(cancels=1)
+        await until(lambda: relay.check.unconfirmed == 1, what="a first read")
+        (pid,) = await asyncio.to_thread(
+            wait_for, lambda: [p for (p,) in conn.execute(CHECKER_PIDS, (CHECK_NAME + "@%",))],
+            what="the check connection")
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        await relay.notify(named=[forged], named_each=1)  # its read fails: passed on
+        await until(lambda: relay.passed == [forged], what="passed on unchecked")
+        await relay.notify(cancels=1)  # read on a new connection
+        await until(lambda: relay.check.unconfirmed == 2, what="a read again")
+
+    relay = _relaying(dsn, script)
+    assert relay.check.failed_reads == 1
+    assert scalar(conn, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
+                  CHECK_NAME + "@%") == 0  # closed with the relay

@@ -1,7 +1,7 @@
 """The relay's fan-out over real socket pairs (runpool.relay): a worker whose queue is full
-loses cancel notices (the heartbeat reads the flags) but never a wake-up or a schedules
-notice, which wait for room, one of each kind however many came; a worker end that is gone
-costs the others nothing."""
+gets a recheck (read every held run's cancel flag) for the cancel notices that did not fit,
+and never loses a wake-up or a schedules notice: they wait for room, one of each kind however
+many came, the wake-up first; a worker end that is gone costs the others nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from runpool.relay import CANCEL, SCHEDULES, WAKE, _Fanout, pair
+from runpool.relay import CANCEL, RECHECK, SCHEDULES, WAKE, _Fanout, pair
 
 TIMEOUT = 10.0
 
@@ -37,7 +37,7 @@ async def _read(end: socket.socket, until: bytes) -> list[bytes]:
     return got
 
 
-def test_fanout__a_full_queue_drops_cancels_and_keeps_one_wake_up_and_one_schedules_notice(
+def test_fanout__a_full_queue_turns_cancels_into_one_recheck_and_keeps_one_of_each_notice(
         ) -> None:
     async def main() -> tuple[int, list[bytes], int, int, bool]:
         relay_end, worker_end = pair()
@@ -46,12 +46,11 @@ def test_fanout__a_full_queue_drops_cancels_and_keeps_one_wake_up_and_one_schedu
             fanout = _Fanout([relay_end])
             sent = _fill(fanout)
             for _ in range(3):
-                fanout.send(WAKE)
                 fanout.send(SCHEDULES)
-            fanout.send(CANCEL + uuid.uuid4().bytes)  # full still: dropped, not kept
+                fanout.send(WAKE)
+            fanout.send(CANCEL + uuid.uuid4().bytes)  # full still: a recheck, kept once
             dropped = fanout.dropped
-            got = await _read(worker_end, SCHEDULES)
-            got += await _read(worker_end, WAKE) if WAKE not in got else []
+            got = await _read(worker_end, RECHECK)
             # Nothing more can come: nothing is kept and the end's writer was removed (a
             # writer left behind would send again at every turn of room), and nothing more
             # was sent meanwhile.
@@ -66,34 +65,35 @@ def test_fanout__a_full_queue_drops_cancels_and_keeps_one_wake_up_and_one_schedu
     sent, got, dropped, extra, left = asyncio.run(main())
     cancels = [d for d in got if d.startswith(CANCEL)]
     assert len(cancels) == sent - 1, (len(cancels), sent)  # all that fit, in order
-    assert got[len(cancels):] in ([WAKE, SCHEDULES], [SCHEDULES, WAKE]), got[len(cancels):]
+    # The kept notices, one of each, the doorbell first.
+    assert got[len(cancels):] == [WAKE, SCHEDULES, RECHECK], got[len(cancels):]
     assert dropped == 2  # the cancel that found the queue full, and the one after
     assert extra == 0
     assert not left
 
 
 def test_fanout__a_gone_worker_end_costs_the_other_workers_nothing() -> None:
-    async def main() -> tuple[list[bytes], int]:
+    async def main() -> tuple[list[bytes], int, int]:
         gone_relay, gone_worker = pair()
         relay_end, worker_end = pair()
         worker_end.setblocking(False)
         with gone_relay, relay_end, worker_end:
             fanout = _Fanout([gone_relay, relay_end])
-            _fill(fanout)  # both full: each drops a cancel
+            _fill(fanout)  # both full (a cancel dropped, a recheck kept, at one or both)
             fanout.send(WAKE)  # kept for both
+            before, gone_kept = fanout.dropped, len(fanout._kept[0])
             gone_worker.close()  # its worker is gone (its queue with it)
             got = await _read(worker_end, WAKE)
-            # The gone end's kept wake-up is dropped when its writer finds the end gone.
+            # The gone end's kept notices are dropped when its writer finds the end gone.
             await asyncio.wait_for(_until(lambda: not fanout._kept), TIMEOUT)
             fanout.send(WAKE)
             got += await _read(worker_end, WAKE)
-            return got[-1:], fanout.dropped
+            return got[-1:], fanout.dropped - before, gone_kept
 
-    last, dropped = asyncio.run(main())
+    last, dropped, gone_kept = asyncio.run(main())
     assert last == [WAKE]
-    # A cancel at the full ends (one or both, as their room differed by a datagram), the gone
-    # end's kept wake-up, and the wake-up sent to it after.
-    assert 3 <= dropped <= 4, dropped
+    # What was kept for the gone end, and the wake-up sent to it after.
+    assert dropped == gone_kept + 1 and gone_kept >= 1, (dropped, gone_kept)
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
@@ -107,26 +107,29 @@ def test_fanout__a_kept_wake_up_takes_the_first_place_a_read_frees_before_the_fl
     slowly than a flood comes never gets there, so the next notice sent puts what was kept
     into the first freed place, ahead of itself (on uvloop a loaded worker's doorbell waited
     for the flood's end: 26 s, the attack's repro)."""
-    async def main() -> tuple[bool, bool, int, list[bytes]]:
+    async def main() -> tuple[set[bytes], set[bytes], int, list[bytes]]:
         relay_end, worker_end = pair()
         worker_end.setblocking(False)
         with relay_end, worker_end:
             fanout = _Fanout([relay_end])
             _fill(fanout)
             fanout.send(WAKE)
-            kept_before = bool(fanout._kept)
+            kept_before = set(fanout._kept[0])
             worker_end.recv(64)  # one place freed
             fanout.send(CANCEL + uuid.uuid4().bytes)  # the flood goes on
-            kept_after = bool(fanout._kept)
+            kept_after = set(fanout._kept.get(0, ()))
             got = []
             while True:
                 try:
                     got.append(worker_end.recv(64))
                 except BlockingIOError:
                     break
+            fanout.close()
             return kept_before, kept_after, fanout.dropped, got
 
     kept_before, kept_after, dropped, got = asyncio.run(main())
-    assert kept_before and not kept_after
+    assert kept_before == {RECHECK, WAKE} and kept_after == {RECHECK}
     assert got[-1] == WAKE, got[-3:]  # in the freed place, last in the queue
-    assert dropped == 2  # the cancel that filled the queue, and the flood's next one
+    # The cancel that filled the queue, the flood's next one, and the recheck still kept
+    # when the relay closed.
+    assert dropped == 3
