@@ -2,7 +2,8 @@
 every worker process of the host and passes each doorbell, cancel notice and schedule notice on
 to them over a datagram socket pair per worker.
 
-Datagrams are 1 byte (W: wake, S: schedules changed) or 17 (C + the run id's 16 bytes); the
+Datagrams are 1 byte (W: wake, S: schedules changed, L: the relay listens anew, R: recheck) or
+17 (C + the run id's 16 bytes); the
 relay has checked the cancel payload is a run id, and passes on only the cancels the database
 confirms (runpool.relay_confirm: any login can NOTIFY, and forged cancels must not reach the
 workers), so a worker parses nothing it could choke on. A worker that does not read its socket
@@ -249,7 +250,9 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
 
 class RelayReader:
     """A worker's side of the relay: what a Listener would do with the notices it reads,
-    from the worker's end of its socket pair (`fd`, inherited from the supervisor)."""
+    from the worker's end of its socket pair (`fd`, inherited from the supervisor).
+    `on_listening()`: cancel notices may have been missed (the relay listens anew, or it
+    dropped some), so the worker reads the flags of the runs it holds."""
 
     def __init__(self, fd: int, wake: asyncio.Event, on_cancel: Callable[[uuid.UUID], None],
                  *, worker_id: uuid.UUID, on_schedules: Callable[[], None] | None = None,

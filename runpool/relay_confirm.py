@@ -124,7 +124,7 @@ class CancelConfirm:
 
     async def _check(self, ids: list[uuid.UUID]) -> None:
         if time.monotonic() < self._unchecked_until:
-            self._send(set(ids))
+            self._send(ids)
             return
         try:
             confirmed = await asyncio.wait_for(self._read(ids), READ_SECONDS)
@@ -138,9 +138,10 @@ class CancelConfirm:
                     "could not check %d cancel notices, passing them on unchecked for %.0f s:"
                     " %s", count, UNCHECKED_SECONDS, one_line(exc) or type(exc).__name__,
                     extra={"action": "relay_cancel_check_failed", "count": count})
-            self._send(set(ids))
+            self._send(ids)
             return
-        self._send(confirmed)
+        # In the notices' order.
+        self._send([run_id for run_id in ids if run_id in confirmed])
         noise = len(ids) - len(confirmed)
         self.unconfirmed += noise
         if noise and (count := self._noise.count(noise)):
@@ -160,7 +161,7 @@ class CancelConfirm:
             with contextlib.suppress(psycopg.Error):
                 await conn.close()
 
-    def _send(self, run_ids: set[uuid.UUID]) -> None:
+    def _send(self, run_ids: list[uuid.UUID]) -> None:
         now = time.monotonic()
         forwarded = self._forwarded
         # Amortised O(1): each entry is dropped once, from the old end.
