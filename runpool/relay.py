@@ -3,17 +3,17 @@ every worker process of the host and passes each doorbell, cancel notice and sch
 to them over a datagram socket pair per worker.
 
 Datagrams are 1 byte (W: wake, S: schedules changed, L: the relay listens anew, R: recheck) or
-17 (C + the run id's 16 bytes); the
-relay has checked the cancel payload is a run id, and passes on only the cancels the database
-confirms (runpool.relay_confirm: any login can NOTIFY, and forged cancels must not reach the
-workers), so a worker parses nothing it could choke on. A worker that does not read its socket
+17 (C + the run id's 16 bytes); the relay has checked the cancel payload is a run id, and
+passes on only the cancels the database confirms (runpool.relay_confirm: any login can
+NOTIFY, and forged cancels must not reach the workers), so a worker parses nothing it could
+choke on. A worker that does not read its socket
 (stopped, restarting, or slow under load) must not hold the relay up, and must not lose a
-notice: a cancel notice that does not fit becomes a recheck (R: read the cancel flags of every
-run held), and a wake-up, schedules, listening or recheck notice that does not fit is kept, one
-of each kind per worker, and sent as soon as that worker's queue has room (a few hundred
-datagrams: 278 on Linux by default). A real doorbell dropped behind a full queue (of forged
-cancels, before they were checked) once left its run for the next poll (CI: a run not started
-22 s after its enqueue, with polls a minute apart).
+notice: a cancel notice that does not fit asks for a recheck (R: read the cancel flags of
+every run held; at most twice a second), and a wake-up, schedules, listening or recheck
+notice that does not fit is kept, one of each kind per worker, and sent as soon as that
+worker's queue has room (a few hundred datagrams: 278 on Linux by default). A real doorbell
+dropped behind a full queue (of forged cancels, before they were checked) once left its run
+for the next poll (CI: a run not started 22 s after its enqueue, with polls a minute apart).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ SCHEDULES: Final = b"S"
 # The relay (re)connected: notices sent while it was away are lost.
 LISTENING: Final = b"L"
 CANCEL: Final = b"C"
-# Cancel notices were dropped (a full queue, or too many to check at once): read the cancel
-# flags of every run held.
+# Cancel notices were dropped (a full queue, too many to check at once, a failed check): read
+# the cancel flags of every run held.
 RECHECK: Final = b"R"
 # Which kept notice goes first when a full queue frees a place.
 KEPT_ORDER: Final = (WAKE, LISTENING, SCHEDULES, RECHECK)
@@ -66,10 +66,11 @@ def pair() -> tuple[socket.socket, socket.socket]:
 
 class _Fanout:
     """Sends each notice to every worker's end (on the running loop): see the module's
-    docstring for what does not fit."""
+    docstring for what does not fit; `on_cancel_dropped()` when a cancel did not."""
 
-    def __init__(self, ends: list[socket.socket]) -> None:
+    def __init__(self, ends: list[socket.socket], on_cancel_dropped: Callable[[], None]) -> None:
         self._ends = ends
+        self._on_cancel_dropped = on_cancel_dropped
         self._loop = asyncio.get_running_loop()
         # The notices kept for an end whose queue was full, by the end's index: a set, as one
         # wake-up (or schedules notice, or recheck) stands for any number.
@@ -94,11 +95,12 @@ class _Fanout:
                 except OSError:  # its worker end is gone
                     self.dropped += 1
                     continue
-            # No room: a cancel becomes a recheck (one stands for any number of them).
+            # No room: a cancel is dropped, for a recheck (spaced: a flood of cancels the relay
+            # could not check must not become a flood of rechecks), anything else kept.
             if message.startswith(CANCEL):
                 self.dropped += 1
-                message = RECHECK
-            if i in self._kept:
+                self._on_cancel_dropped()
+            elif i in self._kept:
                 self._kept[i].add(message)
             else:
                 self._keep(i, message)
@@ -138,12 +140,12 @@ class _Fanout:
 
 
 class _Rechecks:
-    """Asks every worker to read its runs' cancel flags (cancel notices were dropped before
-    they could be checked), at most once per RECHECK_SPACING: the ask that comes sooner is
-    sent when the spacing is up, not lost."""
+    """Asks every worker to read its runs' cancel flags (cancel notices were dropped: too many
+    to check, a failed check, a full queue), at most once per RECHECK_SPACING: the ask that
+    comes sooner is sent when the spacing is up, not lost."""
 
-    def __init__(self, fanout: _Fanout) -> None:
-        self._fanout = fanout
+    def __init__(self, send: Callable[[bytes], None]) -> None:
+        self._send_notice = send
         self._loop = asyncio.get_running_loop()
         self._sent = -math.inf
         self._timer: asyncio.TimerHandle | None = None
@@ -160,7 +162,7 @@ class _Rechecks:
     def _send(self) -> None:
         self._timer = None
         self._sent = self._loop.time()
-        self._fanout.send(RECHECK)
+        self._send_notice(RECHECK)
 
     def close(self) -> None:
         if self._timer is not None:
@@ -196,14 +198,14 @@ class CancelChecking:
 async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None,
                  checking: CancelChecking) -> int:
     loop = asyncio.get_running_loop()
-    fanout = _Fanout(ends)
+    fanout = _Fanout(ends, lambda: rechecks.request())
+    rechecks = _Rechecks(fanout.send)
     wake = asyncio.Event()
     done = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, done.set)
     loop.add_signal_handler(signal.SIGUSR1, done.set)
     if parent_fd is not None:
         loop.add_reader(parent_fd, done.set)  # EOF: the supervisor is gone
-    rechecks = _Rechecks(fanout)
     cancels = CancelConfirm(checking.dsn, stateless=checking.stateless,
                             forward=lambda run_id: fanout.send(CANCEL + run_id.bytes),
                             recheck=rechecks.request)

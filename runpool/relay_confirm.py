@@ -14,10 +14,11 @@ statement there makes the server send every notification queued for it along wit
 answer, and under a flood psycopg then holds the server's whole queue in memory (a first
 version grew by 130 MB a second under two flooding sessions), while the doorbells waited
 behind the reads. At most BATCH ids wait for a read: past that, a notice is dropped and every
-worker is asked to read its runs' cancel flags instead (`recheck`), so a real cancel among the
-dropped still lands. Where a read fails (its timeout, a lock, a role that may not read runs, a
-lost connection), the notices go on unchecked, as before, for UNCHECKED_SECONDS: each worker
-checks what it is sent anyway.
+worker is asked to read its runs' cancel flags instead (`recheck`, which the relay sends at
+most twice a second), so a real cancel among the dropped still lands. Where a read fails (its
+timeout, a lock, a lost connection), the notices become a recheck too, and so do those of the
+next UNCHECKED_SECONDS, with no read: passing them on unchecked (as before the check) let a
+flood through to fill the workers' queues, every full queue asking for a recheck.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ BATCH: Final = 5_000
 FORWARD_SPACING: Final = 1.0
 # Seconds a read may take before its notices go on unchecked.
 READ_SECONDS: Final = 2.0
-# Seconds notices go on unchecked after a read failed: a lock held for minutes (a migration)
-# must cost one timed-out read per this long, not one per batch.
+# Seconds notices become a recheck with no read after a read failed: a lock held for minutes
+# (a migration) must cost one timed-out read per this long, not one per batch.
 UNCHECKED_SECONDS: Final = 10.0
 # Seconds without notices before the check connection is closed.
 IDLE_SECONDS: Final = 60.0
@@ -62,7 +63,8 @@ IDLE_SECONDS: Final = 60.0
 class CancelConfirm:
     """`add(run_id)` for each cancel notice (on the relay's loop); `run()`, a task, reads which
     are confirmed on a connection to `dsn` (`stateless`: behind a pooler) and calls
-    `forward(run_id)` for each, and `recheck()` when notices were dropped unread; `reset()` when
+    `forward(run_id)` for each, and `recheck()` when notices were dropped unread (too many, or
+    the read failed); `reset()` when
     the LISTEN connection is new (the workers then read every flag themselves)."""
 
     def __init__(self, dsn: str, *, stateless: bool, forward: Callable[[uuid.UUID], None],
@@ -77,7 +79,7 @@ class CancelConfirm:
         # Runs passed on, by when (monotonic), oldest first.
         self._forwarded: OrderedDict[uuid.UUID, float] = OrderedDict()
         self._conn: psycopg.AsyncConnection[Any] | None = None
-        # Until when (monotonic) notices go on unchecked, after a failed read.
+        # Until when (monotonic) notices become a recheck with no read, after a failed read.
         self._unchecked_until = -math.inf
         self.unconfirmed = 0
         self.dropped = 0
@@ -124,7 +126,7 @@ class CancelConfirm:
 
     async def _check(self, ids: list[uuid.UUID]) -> None:
         if time.monotonic() < self._unchecked_until:
-            self._send(ids)
+            self._recheck()
             return
         try:
             confirmed = await asyncio.wait_for(self._read(ids), READ_SECONDS)
@@ -135,10 +137,11 @@ class CancelConfirm:
             self._unchecked_until = time.monotonic() + UNCHECKED_SECONDS
             if count := self._failures.count(len(ids)):
                 logger.warning(
-                    "could not check %d cancel notices, passing them on unchecked for %.0f s:"
-                    " %s", count, UNCHECKED_SECONDS, one_line(exc) or type(exc).__name__,
+                    "could not check %d cancel notices: the workers read their runs' cancel"
+                    " flags instead, for %.0f s: %s", count, UNCHECKED_SECONDS,
+                    one_line(exc) or type(exc).__name__,
                     extra={"action": "relay_cancel_check_failed", "count": count})
-            self._send(ids)
+            self._recheck()
             return
         # In the notices' order.
         self._send([run_id for run_id in ids if run_id in confirmed])

@@ -1,7 +1,7 @@
-"""The relay's fan-out over real socket pairs (runpool.relay): a worker whose queue is full
-gets a recheck (read every held run's cancel flag) for the cancel notices that did not fit,
-and never loses a wake-up or a schedules notice: they wait for room, one of each kind however
-many came, the wake-up first; a worker end that is gone costs the others nothing."""
+"""The relay's fan-out over real socket pairs (runpool.relay): a cancel notice that does not
+fit a worker's full queue asks for a recheck (read every held run's cancel flag), and a
+wake-up or a schedules notice is never lost: they wait for room, one of each kind however many
+came, the wake-up first; a worker end that is gone costs the others nothing."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from runpool.relay import CANCEL, RECHECK, SCHEDULES, WAKE, _Fanout, pair
+from runpool.relay import CANCEL, SCHEDULES, WAKE, _Fanout, pair
 
 TIMEOUT = 10.0
+
+
+def _fanout(ends: list[socket.socket]) -> tuple[_Fanout, list[None]]:
+    """A fan-out to `ends`, and the rechecks it asked for (one per cancel dropped)."""
+    asked: list[None] = []
+    return _Fanout(ends, lambda: asked.append(None)), asked
 
 
 def _fill(fanout: _Fanout) -> int:
@@ -37,20 +43,21 @@ async def _read(end: socket.socket, until: bytes) -> list[bytes]:
     return got
 
 
-def test_fanout__a_full_queue_turns_cancels_into_one_recheck_and_keeps_one_of_each_notice(
+def test_fanout__a_full_queue_drops_cancels_for_a_recheck_and_keeps_one_of_each_notice(
         ) -> None:
     async def main() -> tuple[int, list[bytes], int, int, bool]:
         relay_end, worker_end = pair()
         worker_end.setblocking(False)
         with relay_end, worker_end:
-            fanout = _Fanout([relay_end])
+            fanout, asked = _fanout([relay_end])
             sent = _fill(fanout)
             for _ in range(3):
                 fanout.send(SCHEDULES)
                 fanout.send(WAKE)
-            fanout.send(CANCEL + uuid.uuid4().bytes)  # full still: a recheck, kept once
+            fanout.send(CANCEL + uuid.uuid4().bytes)  # full still: dropped, a recheck asked
             dropped = fanout.dropped
-            got = await _read(worker_end, RECHECK)
+            assert len(asked) == dropped
+            got = await _read(worker_end, SCHEDULES)
             # Nothing more can come: nothing is kept and the end's writer was removed (a
             # writer left behind would send again at every turn of room), and nothing more
             # was sent meanwhile.
@@ -66,7 +73,7 @@ def test_fanout__a_full_queue_turns_cancels_into_one_recheck_and_keeps_one_of_ea
     cancels = [d for d in got if d.startswith(CANCEL)]
     assert len(cancels) == sent - 1, (len(cancels), sent)  # all that fit, in order
     # The kept notices, one of each, the doorbell first.
-    assert got[len(cancels):] == [WAKE, SCHEDULES, RECHECK], got[len(cancels):]
+    assert got[len(cancels):] == [WAKE, SCHEDULES], got[len(cancels):]
     assert dropped == 2  # the cancel that found the queue full, and the one after
     assert extra == 0
     assert not left
@@ -78,8 +85,8 @@ def test_fanout__a_gone_worker_end_costs_the_other_workers_nothing() -> None:
         relay_end, worker_end = pair()
         worker_end.setblocking(False)
         with gone_relay, relay_end, worker_end:
-            fanout = _Fanout([gone_relay, relay_end])
-            _fill(fanout)  # both full (a cancel dropped, a recheck kept, at one or both)
+            fanout, _ = _fanout([gone_relay, relay_end])
+            _fill(fanout)  # both full: a cancel dropped at one or both
             fanout.send(WAKE)  # kept for both
             before, gone_kept = fanout.dropped, len(fanout._kept[0])
             gone_worker.close()  # its worker is gone (its queue with it)
@@ -111,7 +118,7 @@ def test_fanout__a_kept_wake_up_takes_the_first_place_a_read_frees_before_the_fl
         relay_end, worker_end = pair()
         worker_end.setblocking(False)
         with relay_end, worker_end:
-            fanout = _Fanout([relay_end])
+            fanout, _ = _fanout([relay_end])
             _fill(fanout)
             fanout.send(WAKE)
             kept_before = set(fanout._kept[0])
@@ -128,8 +135,6 @@ def test_fanout__a_kept_wake_up_takes_the_first_place_a_read_frees_before_the_fl
             return kept_before, kept_after, fanout.dropped, got
 
     kept_before, kept_after, dropped, got = asyncio.run(main())
-    assert kept_before == {RECHECK, WAKE} and kept_after == {RECHECK}
+    assert kept_before == {WAKE} and not kept_after
     assert got[-1] == WAKE, got[-3:]  # in the freed place, last in the queue
-    # The cancel that filled the queue, the flood's next one, and the recheck still kept
-    # when the relay closed.
-    assert dropped == 3
+    assert dropped == 2  # the cancel that filled the queue, and the flood's next one
