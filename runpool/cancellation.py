@@ -73,6 +73,17 @@ class Canceller:
         while len(early) > EARLY_MAX or now - early[next(iter(early))] >= EARLY_SECONDS:
             early.popitem(last=False)
 
+    def on_confirmed(self, run_id: uuid.UUID) -> None:
+        """A cancel notice the host's relay has checked against the database already (it
+        passes on no other): the run's slot is told at once, with no read of its own (W9: the
+        two reads in a row cost 1-1.5 ms at p50, 10 ms at p99). A notice that overtakes the
+        claim of its run waits for it like any other, and is read then."""
+        slot = self._lookup(run_id)
+        if slot is None:
+            self.on_notice(run_id)
+        elif slot.stop_reason is None:
+            self._on_cancel(slot)
+
     def on_start(self, run_id: uuid.UUID, sent: float) -> None:
         """The run claimed by a claim sent at `sent` (monotonic) is in its slot now."""
         if self._early.pop(run_id, None) is not None:

@@ -164,7 +164,7 @@ class Worker:
                 side.append(asyncio.create_task(purger.run(), name="purger"))
             if s.listen and self._notices_fd is not None:
                 self.listener = RelayReader(
-                    self._notices_fd, self._attention, self.cancels.on_notice,
+                    self._notices_fd, self._attention, self.cancels.on_confirmed,
                     worker_id=self.id, on_schedules=self.scheduler.poke,
                     on_listening=self.cancels.on_listening)
                 side.append(asyncio.create_task(self.listener.run(), name="relay-reader"))
