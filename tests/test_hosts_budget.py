@@ -41,7 +41,8 @@ def _count(conn: psycopg.Connection[Any], ids: list[Any], status: str) -> int:
 
 def test_budget__one_listen_connection_per_host_wakes_and_cancels_every_worker(
         conn: psycopg.Connection, dsn: str) -> None:
-    # 3 workers, 9 connections for the host: 2 pooled + 1 heartbeat each, and 1 LISTEN.
+    # 3 workers, 9 connections for the host: 2 pooled + 1 heartbeat each; and the listener
+    # process's 2: LISTEN, and the check of cancel notices (counted as work).
     # Polls and heartbeats far apart: only relayed wake-ups and notices can be quick.
     with running_pool(dsn, workers=3, concurrency=2, host_connections=9, poll_seconds=60,
                       lease_seconds=120) as pool:
@@ -58,9 +59,9 @@ def test_budget__one_listen_connection_per_host_wakes_and_cancels_every_worker(
                             " WHERE id = ANY(%s)", holds) == 3
         report = collect(conn)
         assert report["connections"] == [{
-            "host": socket.gethostname(), "listen": 1, "heartbeat": 3, "work": 6, "total": 10}]
-        assert "1 + 3 + 6 = 10" in render(report)
-        assert scalar(conn, RUNPOOL_CONNECTIONS) == 10
+            "host": socket.gethostname(), "listen": 1, "heartbeat": 3, "work": 7, "total": 11}]
+        assert "1 + 3 + 7 = 11" in render(report)
+        assert scalar(conn, RUNPOOL_CONNECTIONS) == 11
         for run_id in holds:
             conn.execute("SELECT runpool.cancel_run(%s, 'test')", (run_id,))
         wait_for(lambda: _count(conn, holds, "cancelled") == 6, timeout=10,
