@@ -4,16 +4,16 @@ to them over a datagram socket pair per worker.
 
 Datagrams are 1 byte (W: wake, S: schedules changed, L: the relay listens anew, R: recheck) or
 17 (C + the run id's 16 bytes); the relay has checked the cancel payload is a run id, and
-passes on only the cancels the database confirms (runpool.relay_confirm: any login can
-NOTIFY, and forged cancels must not reach the workers), so a worker parses nothing it could
-choke on. A worker that does not read its socket
-(stopped, restarting, or slow under load) must not hold the relay up, and must not lose a
-notice: a cancel notice that does not fit asks for a recheck (R: read the cancel flags of
-every run held; at most twice a second), and a wake-up, schedules, listening or recheck
-notice that does not fit is kept, one of each kind per worker, and sent as soon as that
-worker's queue has room (a few hundred datagrams: 278 on Linux by default). A real doorbell
-dropped behind a full queue (of forged cancels, before they were checked) once left its run
-for the next poll (CI: a run not started 22 s after its enqueue, with polls a minute apart).
+passes on only the cancels the database confirms (runpool.relay_confirm: any login can NOTIFY,
+and forged cancels must not reach the workers), so a worker parses nothing it could choke on. A
+worker that does not read its socket (stopped, restarting, or slow under load) must not hold
+the relay up, and must not lose a notice: a cancel notice that does not fit asks for a recheck
+(R: read the cancel flags of every run held; at most twice a second), and a wake-up, schedules,
+listening or recheck notice that does not fit is kept, one of each kind per worker, and sent as
+soon as that worker's queue has room (a few hundred datagrams: 278 on Linux by default). A real
+doorbell dropped behind a full queue (of forged cancels, before they were checked) once left
+its run for the next poll (CI: a run not started 22 s after its enqueue, with polls a minute
+apart).
 """
 
 from __future__ import annotations

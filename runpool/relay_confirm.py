@@ -9,17 +9,17 @@ not passed on again for FORWARD_SPACING (a flood naming a real cancelled run sen
 a second, not one per notice).
 
 The reads go on a connection of their own (on the work DSN, opened as the relay starts: one
-opened at the first cancel cost that cancel a connect, W9's p99 4.4-6.6 -> 8.5-12.9 ms), in a
-task of their own, never on the LISTEN connection: a
-statement there makes the server send every notification queued for it along with the
-answer, and under a flood psycopg then holds the server's whole queue in memory (a first
-version grew by 130 MB a second under two flooding sessions), while the doorbells waited
-behind the reads. At most BATCH ids wait for a read: past that, a notice is dropped and every
-worker is asked to read its runs' cancel flags instead (`recheck`, which the relay sends at
-most twice a second), so a real cancel among the dropped still lands. Where a read fails (its
-timeout, a lock, a lost connection), the notices become a recheck too, and so do those of the
-next UNCHECKED_SECONDS, with no read: passing them on unchecked (as before the check) let a
-flood through to fill the workers' queues, every full queue asking for a recheck.
+opened at the first cancel cost those cancels a connect, W9's p99 9.2 ms against 6.3), in a
+task of their own, never on the LISTEN connection: a statement there makes the server send
+every notification queued for it along with the answer, and under a flood psycopg then holds
+the server's whole queue in memory (a first version grew by 130 MB a second under two flooding
+sessions), while the doorbells waited behind the reads. At most BATCH ids wait for a read: past
+that, a notice is dropped and every worker is asked to read its runs' cancel flags instead
+(`recheck`, which the relay sends at most twice a second), so a real cancel among the dropped
+still lands. Where a read fails (its timeout, a lock, a lost connection), the notices become a
+recheck too, and so do those of the next UNCHECKED_SECONDS, with no read: passing them on
+unchecked (as before the check) let a flood through to fill the workers' queues, every full
+queue asking for a recheck.
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ class CancelConfirm:
 
     async def _check(self, ids: list[uuid.UUID]) -> None:
         if time.monotonic() < self._unchecked_until:
+            self.dropped += len(ids)
             self._recheck()
             return
         try:
@@ -132,6 +133,7 @@ class CancelConfirm:
         except (psycopg.Error, TimeoutError) as exc:
             # The connection may be mid-statement or gone: a new one for the next read.
             await self._close()
+            self.dropped += len(ids)
             self.failed_reads += 1
             self._unchecked_until = time.monotonic() + UNCHECKED_SECONDS
             if count := self._failures.count(len(ids)):
