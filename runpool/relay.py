@@ -27,7 +27,6 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -183,20 +182,11 @@ def run_relay_process(listen_dsn: str, ends: list[socket.socket], parent_fd: int
     with contextlib.suppress(OSError):  # not Linux: the name is only a convenience
         Path("/proc/self/comm").write_text(PROCESS_NAME)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_relay(listen_dsn, ends, parent_fd,
-                                 CancelChecking(check_dsn, stateless)))
-
-
-@dataclass(frozen=True)
-class CancelChecking:
-    """Where the relay checks cancel notices (runpool.relay_confirm)."""
-
-    dsn: str
-    stateless: bool
+        return runner.run(_relay(listen_dsn, ends, parent_fd, check_dsn, stateless))
 
 
 async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | None,
-                 checking: CancelChecking) -> int:
+                 check_dsn: str, stateless: bool) -> int:
     loop = asyncio.get_running_loop()
     fanout = _Fanout(ends, lambda: rechecks.request())
     rechecks = _Rechecks(fanout.send)
@@ -206,7 +196,7 @@ async def _relay(listen_dsn: str, ends: list[socket.socket], parent_fd: int | No
     loop.add_signal_handler(signal.SIGUSR1, done.set)
     if parent_fd is not None:
         loop.add_reader(parent_fd, done.set)  # EOF: the supervisor is gone
-    cancels = CancelConfirm(checking.dsn, stateless=checking.stateless,
+    cancels = CancelConfirm(check_dsn, stateless=stateless,
                             forward=lambda run_id: fanout.send(CANCEL + run_id.bytes),
                             recheck=rechecks.request)
 

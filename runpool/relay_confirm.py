@@ -41,12 +41,13 @@ from .errors import one_line
 from .listener import NoiseLog
 from .queries import QUERIES
 
-__all__ = ["CHECK_NAME", "CancelConfirm"]
+__all__ = ["CONFIRM_NAME", "CancelConfirm"]
 
 logger = logging.getLogger("runpool.relay")
 
-# The check connection's application_name, before "@host" (`status` counts it as work).
-CHECK_NAME: Final = "runpool-relay"
+# The confirming connection's application_name, before "@host" (`status` counts it as work;
+# runpool.db.CHECK_NAME is another: a pooled pool's start-up check of its LISTEN DSN).
+CONFIRM_NAME: Final = "runpool-relay"
 # Run ids waiting for a read, at most: each is an index lookup, so a read stays a few
 # milliseconds (5,000 ids: 11 ms).
 BATCH: Final = 5_000
@@ -155,7 +156,7 @@ class CancelConfirm:
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None:
             self._conn = await aconnect(self._dsn, autocommit=True, stateless=self._stateless,
-                                        name=application_name(CHECK_NAME))
+                                        name=application_name(CONFIRM_NAME))
         return self._conn
 
     async def _read(self, ids: list[uuid.UUID]) -> set[uuid.UUID]:

@@ -18,7 +18,7 @@ import pytest
 import runpool
 from runpool import relay_confirm
 from runpool.listener import Listener
-from runpool.relay_confirm import CHECK_NAME, CancelConfirm
+from runpool.relay_confirm import CONFIRM_NAME, CancelConfirm
 from runpool.testing.hostile import notify_flood
 from tests.helpers import claim_told, scalar, until, wait_for
 
@@ -184,7 +184,7 @@ def test_relay_confirm__a_killed_check_connection_is_replaced_after_the_unchecke
         await relay.notify(cancels=1)
         await until(lambda: relay.check.unconfirmed == 1, what="a first read")
         (pid,) = await asyncio.to_thread(
-            wait_for, lambda: [p for (p,) in conn.execute(CHECKER_PIDS, (CHECK_NAME + "@%",))],
+            wait_for, lambda: [p for (p,) in conn.execute(CHECKER_PIDS, (CONFIRM_NAME + "@%",))],
             what="the check connection")
         conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
         await relay.notify(cancels=1)  # its read fails: a recheck
@@ -195,4 +195,4 @@ def test_relay_confirm__a_killed_check_connection_is_replaced_after_the_unchecke
     relay = _relaying(dsn, script)
     assert relay.check.failed_reads == 1 and relay.passed == []
     assert scalar(conn, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
-                  CHECK_NAME + "@%") == 0  # closed with the relay
+                  CONFIRM_NAME + "@%") == 0  # closed with the relay
