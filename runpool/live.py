@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncGenerator, Generator, Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import psycopg
 from psycopg import sql
@@ -23,7 +23,8 @@ from .errors import InvalidInput, NotFound
 from .limits import check_tenant
 from .live_io import Answer, Nap, Read, aexecute, anap, aperform, aquiet, idle, perform, quiet
 
-__all__ = ["TERMINAL", "RunEvent", "RunResult", "channel", "follow", "wait", "wait_async"]
+__all__ = ["EVENTS", "READ_SECONDS", "TERMINAL", "RunEvent", "RunResult", "Stream", "Then",
+           "channel", "follow", "wait", "wait_async"]
 
 TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
 # Messages per page of a follower's read (their content may be large); status events and tool
@@ -46,9 +47,9 @@ WHERE id = %(run_id)s AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
 """
 # A follower's read: the run's header (kind 'run': its status and last seq, from its checkpoint
 # counter once it has one (see 0009); no row: no such run, or another tenant's), its stored
-# events after seq %(after)s (status changes from status_history, 0017; the 'queued' of seq 1
-# is the run's creation, not a row), and its current progress (kind 'progress', seq = its
-# version).
+# events after seq %(after)s (status changes from status_history's two tables, 0017; the
+# 'queued' of seq 1 is the run's creation, not a row), and its current progress (kind
+# 'progress', seq = its version).
 # One statement, one snapshot: the header's last seq covers exactly the events returned.
 EVENTS: Final = """
 WITH run AS (
@@ -67,8 +68,17 @@ UNION ALL
 SELECT 'status', s.seq,
        jsonb_strip_nulls(jsonb_build_object('status', s.status, 'attempt', s.attempt,
                                             'reason', s.reason)), s.at
-FROM run JOIN runpool.status_history s ON s.run_id = run.id
-WHERE s.seq > %(after)s
+FROM run CROSS JOIN LATERAL (
+    -- status_history's two tables, each probed through its run index. Joined through the
+    -- view, run_events was scanned whole on every read: PostgreSQL does not flatten a UNION
+    -- ALL branch that has a WHERE, so the join's run id never reached its index (W12's
+    -- reads took 7-8 ms beside 45,000 events, tests/test_live_hub.py).
+    SELECT e.seq, e.at, e.status, e.attempt, e.reason FROM runpool.status_events e
+    WHERE e.run_id = run.id AND e.seq > %(after)s
+    UNION ALL
+    SELECT e.seq, e.at, e.status, e.attempt, e.reason FROM runpool.run_events e
+    WHERE e.run_id = run.id AND e.seq > %(after)s
+) s
 UNION ALL
 (SELECT 'message', m.event_seq, jsonb_build_object('role', m.role, 'content', m.content),
         m.created_at
@@ -276,32 +286,60 @@ async def follow(aconn: psycopg.AsyncConnection[Any], run_id: uuid.UUID | str, a
     server leaves a read unanswered for READ_SECONDS (it is then cut), raises the driver's
     psycopg.OperationalError. Use `contextlib.aclosing` to stop early and have the connection
     UNLISTEN at once. listen=False polls only."""
-    rid, last, poll_s, tenant = _run_id(run_id), _after(after), _poll(poll), check_tenant(tenant)
+    stream = Stream(run_id, after, poll, tenant)
     idle(aconn)
     try:
         if listen:
-            await aexecute(aconn, READ_SECONDS, _listen(rid, True))
-        progress: int | None = None
+            await aexecute(aconn, READ_SECONDS, _listen(stream.run_id, True))
         while True:
-            cur = await aexecute(aconn, READ_SECONDS, EVENTS,
-                                 {"run_id": rid, "tenant": tenant, "after": last, "page": PAGE})
-            page = _Page(await cur.fetchall())
-            if page.status is None:
-                raise NotFound(f"no run {rid}")
-            for event in page.events:
+            cur = await aexecute(aconn, READ_SECONDS, EVENTS, stream.params())
+            events, then = stream.take(await cur.fetchall())
+            for event in events:
                 yield event
-                last = event.seq
-            if page.full:
-                continue  # more messages wait: read on without waiting
-            if page.status in TERMINAL and last >= page.last_seq:
+            if then == "end":
                 return
-            if page.progress is not None and page.progress[0] != progress:
-                progress = page.progress[0]
-                yield RunEvent(last, "progress", page.progress[1], page.progress[2])
-            await anap(aconn, poll_s, listen)
+            if then == "wait":
+                await anap(aconn, stream.poll, listen)
     finally:
         if listen:
-            await aquiet(aconn, READ_SECONDS, _listen(rid, False))
+            await aquiet(aconn, READ_SECONDS, _listen(stream.run_id, False))
+
+
+# What a follower does after a read: read again at once (a full page: more messages wait),
+# wait for a notification or its poll, or end (the run is terminal and all was delivered).
+Then = Literal["read", "wait", "end"]
+
+
+class Stream:
+    """A follower's place in a run's events (follow's, and runpool.live_hub's): what its next
+    read asks for, and what a read's rows give it to deliver."""
+
+    def __init__(self, run_id: Any, after: Any, poll: Any, tenant: Any) -> None:
+        self.run_id, self.last = _run_id(run_id), _after(after)
+        self.poll, self.tenant = _poll(poll), check_tenant(tenant)
+        self._progress: int | None = None  # the version of the progress last delivered
+
+    def params(self) -> dict[str, Any]:
+        """The parameters of the next read (EVENTS)."""
+        return {"run_id": self.run_id, "tenant": self.tenant, "after": self.last, "page": PAGE}
+
+    def take(self, rows: Iterable[tuple[str, int, Any, datetime]]) -> tuple[list[RunEvent], Then]:
+        """A read's events to deliver, in seq order, and what to do next."""
+        page = _Page(rows)
+        if page.status is None:
+            raise NotFound(f"no run {self.run_id}")
+        events = page.events
+        if events:
+            self.last = events[-1].seq
+        if page.full:
+            return events, "read"
+        if page.status in TERMINAL and self.last >= page.last_seq:
+            return events, "end"
+        if page.progress is not None and page.progress[0] != self._progress:
+            self._progress = page.progress[0]
+            events = [*events, RunEvent(self.last, "progress", page.progress[1],
+                                        page.progress[2])]
+        return events, "wait"
 
 
 class _Page:

@@ -1,0 +1,135 @@
+"""runpool.live_hub.FollowHub: many followers over one LISTEN connection and a few readers, on
+a real pool; and a follower's read touching only its own run's events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from contextlib import aclosing
+from typing import Any
+
+import pytest
+
+import runpool
+from runpool.db import aconnect, connect
+from runpool.enqueue import RunSpec, enqueue, enqueue_many
+from runpool.live import EVENTS
+from runpool.live_hub import NAME, FollowHub
+
+from .helpers import running_pool, scalar, until
+from .test_live import _check_stream, _collect
+
+
+async def _hub_story(hub: FollowHub, run_id: uuid.UUID, after: int = 0,
+                     **options: Any) -> list[runpool.RunEvent]:
+    async with aclosing(hub.follow(run_id, after, **options)) as stream:
+        return [e async for e in stream if e.kind != "progress"]
+
+
+def test_hub__many_followers_hear_every_event_once_in_order_over_one_listen_connection(
+        dsn: str) -> None:
+    """40 runs followed at once by one hub with 2 readers. Their poll is 60 s: a follower
+    that did not hear its run's doorbells would still be waiting when the bound below ends."""
+    with connect(dsn, autocommit=True) as conn, running_pool(dsn, concurrency=20):
+        runs = [enqueue(conn, "acme", "chatty", {"steps": 5, "gap": 0.05}) for _ in range(40)]
+
+        async def main() -> tuple[list[list[runpool.RunEvent]], int, int]:
+            async with FollowHub(dsn, readers=2) as hub:
+                stories = await asyncio.wait_for(asyncio.gather(
+                    *(_hub_story(hub, r, poll=60) for r in runs)), 30)
+                async with await aconnect(dsn, autocommit=True) as other:
+                    cur = await other.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s"
+                        " AND datname = current_database()", (NAME + "%",))
+                    row = await cur.fetchone()
+                assert row is not None
+                # Every follower gone: every channel UNLISTENed.
+                await until(lambda: not hub._listening, "every channel UNLISTENed")
+                return stories, int(row[0]), hub.connections
+
+        stories, connections, listens = asyncio.run(main())
+        assert connections <= 3  # one LISTEN connection and at most two readers, for 40
+        assert listens == 1
+        for run_id, story in zip(runs, stories, strict=True):
+            _check_stream(story)
+            # Exactly what a lone follower replays once the run is over.
+            again = asyncio.run(_collect(dsn, run_id))
+            assert [(e.seq, e.kind, e.data) for e in story] == \
+                [(e.seq, e.kind, e.data) for e in again]
+            assert sum(e.kind == "message" for e in story) == 10  # 5 said, 5 tool results
+
+
+def test_hub__a_killed_listen_connection_is_replaced_and_no_event_is_lost(dsn: str) -> None:
+    with connect(dsn, autocommit=True) as conn, running_pool(dsn):
+        run_id = enqueue(conn, "acme", "chatty", {"steps": 30, "gap": 0.05})
+
+        async def main() -> tuple[list[runpool.RunEvent], int]:
+            async with FollowHub(dsn, readers=1) as hub:
+                got: list[runpool.RunEvent] = []
+                killed_at = None
+                async with aclosing(hub.follow(run_id, poll=60)) as stream:
+                    async for event in stream:
+                        got.append(event)
+                        if killed_at is None and sum(e.kind == "message" for e in got) == 5:
+                            killed_at = event.seq
+                            async with await aconnect(dsn, autocommit=True) as other:
+                                killed = await other.execute(
+                                    "SELECT count(pg_terminate_backend(pid)) FROM"
+                                    " pg_stat_activity WHERE application_name = %s",
+                                    (NAME + "-listen",))
+                                assert await killed.fetchone() == (1,)
+                return [e for e in got if e.kind != "progress"], hub.connections
+
+        story, connections = asyncio.run(asyncio.wait_for(main(), 30))
+        assert connections == 2
+        _check_stream(story)
+        assert [e.seq for e in story] == [e.seq for e in asyncio.run(_collect(dsn, run_id))]
+
+
+def test_hub__no_such_run_or_another_tenants_is_not_found_and_bad_input_is_refused(
+        dsn: str) -> None:
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "nobody_serves_this")
+
+    async def main() -> None:
+        async with FollowHub(dsn, readers=1) as hub:
+            for missing, tenant in ((uuid.uuid4(), None), (run_id, "globex")):
+                with pytest.raises(runpool.NotFound):
+                    await _hub_story(hub, missing, tenant=tenant)
+            for bad in ({"after": -1}, {"poll": 0}, {"tenant": ""}):
+                with pytest.raises(runpool.InvalidInput):
+                    await _hub_story(hub, run_id, **bad)
+            # A queued run's follower gets its 'queued' event, then waits; stopping it
+            # leaves nothing followed.
+            async with aclosing(hub.follow(run_id, tenant="acme")) as stream:
+                first = await anext(stream)
+                assert (first.seq, first.data["status"]) == (1, "queued")
+                assert hub.followers == 1
+            assert hub.followers == 0
+
+    asyncio.run(main())
+
+
+def test_follow__a_read_touches_only_its_runs_events_however_many_others_there_are(
+        dsn: str) -> None:
+    """Through status_history, a follower's join could not reach run_events' run index (a
+    UNION ALL branch with a WHERE is not flattened): every read scanned the whole table."""
+    with connect(dsn, autocommit=True) as conn:
+        ids = enqueue_many(conn, [RunSpec("acme", "noop")] * 2000)
+        conn.execute("INSERT INTO runpool.run_events (run_id, kind, attempt, seq, status)"
+                     " SELECT id, 'claimed', 1, 1 + g, 'running'"
+                     " FROM unnest(%s::uuid[]) AS id, generate_series(1, 20) AS g", (ids,))
+        conn.execute("ANALYZE runpool.run_events")
+        total = scalar(conn, "SELECT count(*) FROM runpool.run_events")
+        assert total >= 40_000
+        plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + EVENTS,
+                            {"run_id": ids[7], "tenant": None, "after": 0, "page": 500}
+                            ).fetchone()
+        assert plan is not None
+        top = (plan[0] if isinstance(plan[0], list) else json.loads(plan[0]))[0]["Plan"]
+        blocks = top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+        assert blocks < 100, f"a read of one run touched {blocks} blocks"
+        rows = conn.execute(EVENTS, {"run_id": ids[7], "tenant": None, "after": 0,
+                                     "page": 500}).fetchall()
+        assert sum(kind == "status" for kind, *_ in rows) == 21  # 'queued' and its 20
