@@ -25,6 +25,7 @@ __all__ = [
     "check_stateless",
     "connect",
     "connection_options",
+    "named",
     "one_trip",
     "reach",
     "require_utf8",
@@ -179,7 +180,7 @@ NO_JIT: Final = "SELECT set_config('jit', 'off', true)"
 DEFAULT_ISOLATION: Final = "SELECT current_setting('default_transaction_isolation')"
 
 
-def _named(dsn: str, extra: dict[str, Any], name: str | None) -> dict[str, Any]:
+def named(dsn: str, extra: dict[str, Any], name: str | None) -> dict[str, Any]:
     """`extra` with application_name `name`, unless the DSN names the connection itself."""
     if name is not None and "application_name" not in conninfo_to_dict(dsn):
         return {**extra, "application_name": name}
@@ -190,7 +191,7 @@ def connect(dsn: str, *, autocommit: bool = False, stateless: bool = False,
             name: str | None = None) -> psycopg.Connection[Any]:
     """A runpool connection (`stateless`: one that may go through a transaction-mode pooler;
     `name`: its application_name, unless the DSN has one)."""
-    extra = _named(dsn, STATELESS_OPTIONS if stateless else {}, name)
+    extra = named(dsn, STATELESS_OPTIONS if stateless else {}, name)
     conn = psycopg.connect(dsn, autocommit=True, **_options(dsn), **extra)
     configure(conn)
     if stateless:
@@ -226,7 +227,7 @@ async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = Fals
                    ) -> psycopg.AsyncConnection[Any]:
     """An async runpool connection; `name`: its application_name, unless the DSN has one;
     `listen`: a LISTEN connection (LISTEN_KEEPALIVES)."""
-    extra = _named(dsn, STATELESS_OPTIONS if stateless else {}, name)
+    extra = named(dsn, STATELESS_OPTIONS if stateless else {}, name)
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True,
                                                  **_options(dsn, listen=listen), **extra)
     configure(conn)

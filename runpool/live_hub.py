@@ -34,7 +34,8 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
-from .db import aconnect, connection_options
+from .codec import configure
+from .db import SESSION_SETUP, aconnect, connection_options, named
 from .deadlines import bounded
 from .listener import NoiseLog
 from .live import EVENTS, READ_SECONDS, RunEvent, Stream, channel
@@ -70,7 +71,8 @@ class FollowHub:
         self._dsn, self._name = dsn, name
         self._pool = AsyncConnectionPool(
             dsn, min_size=1, max_size=readers, name=name, open=False, max_idle=300,
-            kwargs={**connection_options(dsn), "application_name": name, "autocommit": True})
+            kwargs={**connection_options(dsn), **named(dsn, {"autocommit": True}, name)},
+            configure=_configure)
         # The bells of each followed run (one per follower), and the runs LISTENed to on the
         # current connection.
         self._bells: dict[uuid.UUID, set[asyncio.Event]] = {}
@@ -225,3 +227,9 @@ class FollowHub:
             self.heard += 1
             for bell in self._bells.get(run_id, ()):
                 bell.set()
+
+
+async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+    """A reader is set up as any runpool connection (aconnect): the codec and the session."""
+    configure(conn)
+    await conn.execute(SESSION_SETUP)

@@ -4,6 +4,7 @@ nothing written, never a 500 (which also drops the client's keep-alive connectio
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -96,22 +97,35 @@ def test_attack2_sse__a_seq_in_other_digits_is_400_not_500(api: httpx.Client, co
     assert api.get(f"/api/runs/{uuid.uuid4()}").status_code == 404  # still served
 
 
-def test_attack2_sse__the_apps_streams_fit_the_servers_connections(
+def test_attack2_sse__the_apps_streams_take_no_connection_each_and_are_capped(
         dsn: str, conn, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each stream holds a connection of its own: the app's cap of 200 was over PostgreSQL's
+    """Each stream held a connection of its own: the app's cap of 200 was over PostgreSQL's
     default max_connections (100), so five tenants' 20 streams each took every connection the
-    pools and the API needed. The cap is now a share of the server's max_connections (a
-    quarter); here a share that leaves room for two."""
-    max_connections = int(scalar(conn, "SELECT current_setting('max_connections')::int"))
-    monkeypatch.setattr(events, "STREAMS_SHARE", max_connections // 2, raising=False)
+    pools and the API needed, and a cap of a quarter of the server's connections allowed 25
+    streams. The streams now share one hub (one LISTEN connection, a few readers): 40 streams
+    open at once hold no more connections than one, and the app's cap still answers 503."""
     run_id = scalar(conn, "SELECT runpool.enqueue('acme', 'nobody_serves_this')")
     path = f"/api/runs/{run_id}/events"
-    with serving(create_app(dsn)) as url, httpx.Client(base_url=url, timeout=20) as client, \
-            client.stream("GET", path) as first, client.stream("GET", path) as second:
-        assert (first.status_code, second.status_code) == (200, 200)
-        third = client.get(path, timeout=5)
-        assert third.status_code == 503, third.text
-        assert "too many event streams" in third.json()["error"]
+    app = create_app(dsn)
+
+    def hub_connections() -> int:
+        return int(scalar(conn, "SELECT count(*) FROM pg_stat_activity WHERE"
+                                " application_name LIKE %s AND datname = current_database()",
+                          events.APPLICATION_NAME + "%"))
+
+    with serving(app) as url, contextlib.ExitStack() as streams, \
+            httpx.Client(base_url=url, timeout=20,
+                         limits=httpx.Limits(max_connections=60)) as client:
+        for _ in range(40):
+            response = streams.enter_context(client.stream("GET", path))
+            assert response.status_code == 200
+        wait_for(lambda: app.state.web.hub.followers == 40, what="40 followers")
+        assert hub_connections() <= 1 + 4  # its LISTEN connection and its readers
+        monkeypatch.setattr(events, "MAX_STREAMS", 40)
+        refused = client.get(path, timeout=5)
+        assert refused.status_code == 503, refused.text
+        assert "too many event streams" in refused.json()["error"]
+    wait_for(lambda: app.state.web.streams == {}, what="the stream slots back")
 
 
 def test_attack2_sse__closed_streams_leave_no_count_behind(dsn: str, conn) -> None:

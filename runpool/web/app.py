@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from runpool.codec import configure
 from runpool.db import SESSION_SETUP, connect, connection_options
 from runpool.errors import InvalidInput, UsageError
+from runpool.live_hub import FollowHub
 from runpool.migrate import check
 
 from . import api, console, events, metrics
@@ -39,7 +40,7 @@ logger = logging.getLogger("runpool.web")
 # Seconds any statement of the app may run: every query is bounded, so one that is not done
 # by then is stuck behind a lock, and the request is better answered with an error.
 STATEMENT_TIMEOUT: Final = "10s"
-# Database connections of one app (event streams hold their own, see events.py).
+# Database connections of one app (its event streams' hub has its own: see events.py).
 POOL_SIZE: Final = 8
 # How often the operator app reads the event log into its tally (metrics, wait p95).
 TALLY_SECONDS: Final = 5.0
@@ -154,6 +155,8 @@ def create_app(dsn: str | None = None, tenant_of: TenantOf | None = None, *,
                 await asyncio.to_thread(_check_schema, target)
         pool = new_pool(dsn, "runpool-web")
         await pool.open(wait=True, timeout=30)
+        web.hub = FollowHub(dsn, name=events.APPLICATION_NAME)
+        await web.hub.open()
         if read_dsn is not None:
             web.read_pool = new_pool(read_dsn, "runpool-web-read")
             await web.read_pool.open(wait=True, timeout=30)

@@ -207,10 +207,6 @@ WHERE e.id > %(mark)s
 ORDER BY e.id
 LIMIT %(limit)s;
 
--- name: max_connections
--- The server's connection limit, which the app's event streams must leave room under.
-SELECT current_setting('max_connections')::int;
-
 -- name: healthz
 -- The database answers, and says when.
 SELECT now();

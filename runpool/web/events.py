@@ -6,11 +6,13 @@ the rest (follow's `after`); `?after=` does the same for clients that cannot set
 The stream ends after the run's terminal status; a reconnect after that is answered 204, which
 tells an EventSource to stop reconnecting.
 
-Each stream follows on a database connection of its own (follow LISTENs on it), opened when
-the stream starts and closed when it ends or the client goes away. Streams are capped per app
-and, with a tenant_of, per tenant, so no tenant can take every connection. A slow client only
-slows its own stream: events wait in a small buffer, then follow waits for the client (it holds
-no transaction meanwhile), and the run never waits for a follower.
+The app's streams share one runpool.live_hub.FollowHub: one LISTEN connection and a few
+readers, whatever the number of streams (a connection per stream took a quarter of the
+server's connections for 25 streams, and woke the server's backends once per stream at every
+doorbell). Streams are capped per app and, with a tenant_of, per tenant, so no tenant can take
+every stream. A slow client only slows its own stream: events wait in a small buffer, then its
+follower waits for the client (it holds no connection meanwhile), and the run never waits for
+a follower.
 """
 
 from __future__ import annotations
@@ -23,29 +25,25 @@ from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import orjson
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runpool.db import aconnect
 from runpool.errors import InvalidInput
-from runpool.live import TERMINAL, RunEvent, follow
+from runpool.live import TERMINAL, RunEvent
+from runpool.live_hub import FollowHub
 
-from .state import Web, parse_run_id, web_of
+from .state import parse_run_id, web_of
 
-__all__ = ["APPLICATION_NAME", "MAX_STREAMS", "MAX_STREAMS_PER_TENANT", "STREAMS_SHARE", "frame",
-           "run_events"]
+__all__ = ["APPLICATION_NAME", "MAX_STREAMS", "MAX_STREAMS_PER_TENANT", "frame", "run_events"]
 
 logger = logging.getLogger("runpool.web")
 
-# Open streams per app (each holds a database connection), and per tenant with a tenant_of.
-MAX_STREAMS: Final = 200
-# ... and at most this share of the server's max_connections (1/4: 25 of PostgreSQL's default
-# 100): the pools, the API and the app's own pool need the rest.
-STREAMS_SHARE: Final = 4
-MAX_STREAMS_PER_TENANT: Final = 20
+# Open streams per app (each a client's socket, within `runpool ui`'s 500: serve.py), and per
+# tenant with a tenant_of.
+MAX_STREAMS: Final = 400
+MAX_STREAMS_PER_TENANT: Final = 50
 # A comment line this often keeps proxies from closing a quiet stream (a queued run).
 KEEPALIVE_SECONDS: Final = 15.0
 # Events read ahead of a slow client.
@@ -54,7 +52,8 @@ BUFFER: Final = 64
 POLL_SECONDS: Final = 1.0
 # The largest seq accepted (follow's own bound).
 MAX_SEQ: Final = 2**62
-# What a stream's connection is called in pg_stat_activity.
+# What the streams' hub's connections are called in pg_stat_activity (its LISTEN connection's
+# name ends in "-listen").
 APPLICATION_NAME: Final = "runpool-web-follow"
 
 
@@ -72,13 +71,6 @@ def _after(request: Request) -> int:
     return 0
 
 
-def _named(dsn: str) -> str:
-    """The DSN, naming the stream's connection for pg_stat_activity unless it names its own."""
-    if "application_name" in conninfo_to_dict(dsn):
-        return dsn
-    return make_conninfo(dsn, application_name=APPLICATION_NAME)
-
-
 def frame(event: RunEvent) -> bytes:
     """One SSE event (orjson writes no newline, so the data is one line)."""
     data = orjson.dumps({"seq": event.seq, "kind": event.kind, "data": event.data,
@@ -86,15 +78,14 @@ def frame(event: RunEvent) -> bytes:
     return b"id: %d\nevent: %s\ndata: %s\n\n" % (event.seq, event.kind.encode(), data)
 
 
-async def _stream(web: Web, run_id: uuid.UUID, after: int, tenant: str | None
+async def _stream(hub: FollowHub, run_id: uuid.UUID, after: int, tenant: str | None
                   ) -> AsyncIterator[bytes]:
-    conn = await aconnect(_named(web.dsn), autocommit=True)
     queue: asyncio.Queue[RunEvent | BaseException | None] = asyncio.Queue(BUFFER)
 
     async def pump() -> None:
         try:
-            async with contextlib.aclosing(follow(conn, run_id, after, poll=POLL_SECONDS,
-                                                  tenant=tenant)) as events:
+            async with contextlib.aclosing(hub.follow(run_id, after, poll=POLL_SECONDS,
+                                                      tenant=tenant)) as events:
                 async for event in events:
                     await queue.put(event)
             await queue.put(None)
@@ -120,7 +111,6 @@ async def _stream(web: Web, run_id: uuid.UUID, after: int, tenant: str | None
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await conn.close()
 
 
 class _EventStream(StreamingResponse):
@@ -139,14 +129,6 @@ class _EventStream(StreamingResponse):
             self.release()
 
 
-async def _max_streams(web: Web, conn: Any) -> int:
-    """The app's cap on open streams: MAX_STREAMS, within its share of the server's
-    connections (read once: max_connections changes only with a server restart)."""
-    cur = await conn.execute(web.sql["max_connections"])
-    row = await cur.fetchone()
-    return max(1, min(MAX_STREAMS, int(row[0]) // STREAMS_SHARE))
-
-
 async def run_events(request: Request) -> Response:
     web = web_of(request)
     tenant = await web.scope(request)
@@ -154,14 +136,12 @@ async def run_events(request: Request) -> Response:
     after = _after(request)
     async with web.connection() as conn:
         rows = await web.rows(conn, "run", {"id": run_id, "tenant": tenant})
-        if web.max_streams is None:
-            web.max_streams = await _max_streams(web, conn)
     if not rows:
         raise HTTPException(404, "no such run")
     run = rows[0]["run"]
     if run["status"] in TERMINAL and after >= run.get("event_seq", 0):
         return Response(status_code=204)  # nothing more will come: stop reconnecting
-    if sum(web.streams.values()) >= web.max_streams:
+    if sum(web.streams.values()) >= MAX_STREAMS:
         raise HTTPException(503, "too many event streams open; try again later")
     if tenant is not None and web.streams.get(tenant, 0) >= MAX_STREAMS_PER_TENANT:
         raise HTTPException(429, f"at most {MAX_STREAMS_PER_TENANT} event streams per tenant")
@@ -175,4 +155,5 @@ async def run_events(request: Request) -> Response:
         else:
             del web.streams[tenant]
 
-    return _EventStream(_stream(web, run_id, after, tenant), release)
+    assert web.hub is not None  # (opened with the pool, which web.connection opened)
+    return _EventStream(_stream(web.hub, run_id, after, tenant), release)

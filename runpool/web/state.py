@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from runpool.errors import InvalidInput
+from runpool.live_hub import FollowHub
 
 from .sql import SQL
 from .tally import Tally
@@ -52,8 +53,8 @@ class Web:
     read_pool: AsyncConnectionPool | None = None
     # Open event streams per tenant (None: the operator), for their caps.
     streams: dict[str | None, int] = field(default_factory=dict)
-    # The cap on all of them (events.py), read from the server at the first stream.
-    max_streams: int | None = None
+    # What the event streams follow through (events.py), opened with `pool` on `dsn`.
+    hub: FollowHub | None = None
     # Opens the pool (app.py); set by create_app.
     open_pool: Callable[[], Awaitable[AsyncConnectionPool]] = field(default=_no_pool)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -88,6 +89,9 @@ class Web:
             self.tally_task.cancel()
             await asyncio.gather(self.tally_task, return_exceptions=True)
             self.tally_task = None
+        if self.hub is not None:
+            await self.hub.close()
+            self.hub = None
         if self.read_pool is not None:
             await self.read_pool.close()
             self.read_pool = None
