@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, Generator, Iterable
+from collections.abc import AsyncGenerator, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, Literal
@@ -24,7 +24,7 @@ from .limits import check_tenant
 from .live_io import Answer, Nap, Read, aexecute, anap, aperform, aquiet, idle, perform, quiet
 
 __all__ = ["EVENTS", "READ_SECONDS", "TERMINAL", "RunEvent", "RunResult", "Stream", "Then",
-           "channel", "follow", "wait", "wait_async"]
+           "channel", "follow", "reads", "wait", "wait_async"]
 
 TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
 # Messages per page of a follower's read (their content may be large); status events and tool
@@ -45,60 +45,69 @@ RESULT: Final = """
 SELECT status, result, error FROM runpool.runs
 WHERE id = %(run_id)s AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
 """
-# A follower's read: the run's header (kind 'run': its status and last seq, from its checkpoint
-# counter once it has one (see 0009); no row: no such run, or another tenant's), its stored
-# events after seq %(after)s (status changes from status_history's two tables, 0017; the
+# Followers' reads, one statement for any number of them (a FollowHub reads the runs whose
+# doorbells rang together at once; follow() reads one): for each (run_id, after, tenant), row
+# number i, the run's header (kind 'run': its status and last seq, from its checkpoint counter
+# once it has one (see 0009); no row for i: no such run, or another tenant's), its stored
+# events after seq `after` (status changes from status_history's two tables, 0017; the
 # 'queued' of seq 1 is the run's creation, not a row), and its current progress (kind
 # 'progress', seq = its version).
-# One statement, one snapshot: the header's last seq covers exactly the events returned.
+# One statement, one snapshot: a header's last seq covers exactly the events returned.
 EVENTS: Final = """
-WITH run AS (
+SELECT q.i, e.kind, e.seq, e.data, e.at
+FROM unnest(%(run_ids)s::uuid[], %(afters)s::bigint[], %(tenants)s::text[])
+     WITH ORDINALITY AS q(run_id, after, tenant, i)
+JOIN LATERAL (
     SELECT r.id, r.status, r.attempt, r.created_at,
            coalesce((SELECT s.seq FROM runpool.event_seqs s WHERE s.run_id = r.id), r.event_seq)
                AS event_seq
     FROM runpool.runs r
-    WHERE r.id = %(run_id)s AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s)
-)
-SELECT 'run' AS kind, run.event_seq AS seq, to_jsonb(run.status) AS data, run.created_at AS at
-FROM run
-UNION ALL
-SELECT 'status', 1, '{"status": "queued", "attempt": 0}'::jsonb, run.created_at
-FROM run WHERE %(after)s < 1
-UNION ALL
-SELECT 'status', s.seq,
-       jsonb_strip_nulls(jsonb_build_object('status', s.status, 'attempt', s.attempt,
-                                            'reason', s.reason)), s.at
-FROM run CROSS JOIN LATERAL (
-    -- status_history's two tables, each probed through its run index. Joined through the
-    -- view, run_events was scanned whole on every read: PostgreSQL does not flatten a UNION
-    -- ALL branch that has a WHERE, so the join's run id never reached its index (W12's
-    -- reads took 7-8 ms beside 45,000 events, tests/test_live_hub.py).
-    SELECT e.seq, e.at, e.status, e.attempt, e.reason FROM runpool.status_events e
-    WHERE e.run_id = run.id AND e.seq > %(after)s
+    WHERE r.id = q.run_id AND (q.tenant IS NULL OR r.tenant = q.tenant)
+) AS run ON true
+CROSS JOIN LATERAL (
+    SELECT 'run' AS kind, run.event_seq AS seq, to_jsonb(run.status) AS data,
+           run.created_at AS at
     UNION ALL
-    SELECT e.seq, e.at, e.status, e.attempt, e.reason FROM runpool.run_events e
-    WHERE e.run_id = run.id AND e.seq > %(after)s
-) s
-UNION ALL
-(SELECT 'message', m.event_seq, jsonb_build_object('role', m.role, 'content', m.content),
-        m.created_at
- FROM run JOIN runpool.messages m ON m.run_id = run.id
- WHERE m.event_seq > %(after)s
- ORDER BY m.event_seq LIMIT %(page)s)
-UNION ALL
-SELECT 'tool_call', e.seq, e.data, e.at
-FROM run JOIN runpool.tool_calls t ON t.run_id = run.id
-CROSS JOIN LATERAL (VALUES
-    (t.started_seq, jsonb_build_object('call_id', t.call_id, 'name', t.name,
-                                       'status', 'started'), t.started_at),
-    (t.finished_seq, jsonb_build_object('call_id', t.call_id, 'name', t.name,
-                                        'status', t.status, 'result', t.result), t.finished_at)
-) AS e(seq, data, at)
-WHERE coalesce(t.finished_seq, t.started_seq) > %(after)s AND e.seq > %(after)s
-UNION ALL
-SELECT 'progress', p.version, p.data, p.at
-FROM run JOIN runpool.progress p ON p.run_id = run.id AND p.attempt = run.attempt
-WHERE run.status = 'running'
+    SELECT 'status', 1, '{"status": "queued", "attempt": 0}'::jsonb, run.created_at
+    WHERE q.after < 1
+    UNION ALL
+    SELECT 'status', s.seq,
+           jsonb_strip_nulls(jsonb_build_object('status', s.status, 'attempt', s.attempt,
+                                                'reason', s.reason)), s.at
+    FROM (
+        -- status_history's two tables, each probed through its run index. Joined through
+        -- the view, run_events was scanned whole on every read: PostgreSQL does not flatten
+        -- a UNION ALL branch that has a WHERE, so the run id never reached its index (W12's
+        -- reads took 7-8 ms beside 45,000 events, tests/test_live_hub.py).
+        SELECT h.seq, h.at, h.status, h.attempt, h.reason FROM runpool.status_events h
+        WHERE h.run_id = run.id AND h.seq > q.after
+        UNION ALL
+        SELECT h.seq, h.at, h.status, h.attempt, h.reason FROM runpool.run_events h
+        WHERE h.run_id = run.id AND h.seq > q.after
+    ) AS s
+    UNION ALL
+    (SELECT 'message', m.event_seq, jsonb_build_object('role', m.role, 'content', m.content),
+            m.created_at
+     FROM runpool.messages m
+     WHERE m.run_id = run.id AND m.event_seq > q.after
+     ORDER BY m.event_seq LIMIT %(page)s)
+    UNION ALL
+    SELECT 'tool_call', c.seq, c.data, c.at
+    FROM runpool.tool_calls t
+    CROSS JOIN LATERAL (VALUES
+        (t.started_seq, jsonb_build_object('call_id', t.call_id, 'name', t.name,
+                                           'status', 'started'), t.started_at),
+        (t.finished_seq, jsonb_build_object('call_id', t.call_id, 'name', t.name,
+                                            'status', t.status, 'result', t.result),
+         t.finished_at)
+    ) AS c(seq, data, at)
+    WHERE t.run_id = run.id AND coalesce(t.finished_seq, t.started_seq) > q.after
+      AND c.seq > q.after
+    UNION ALL
+    SELECT 'progress', p.version, p.data, p.at
+    FROM runpool.progress p
+    WHERE p.run_id = run.id AND p.attempt = run.attempt AND run.status = 'running'
+) AS e
 """
 
 
@@ -320,11 +329,12 @@ class Stream:
         self._progress: int | None = None  # the version of the progress last delivered
 
     def params(self) -> dict[str, Any]:
-        """The parameters of the next read (EVENTS)."""
-        return {"run_id": self.run_id, "tenant": self.tenant, "after": self.last, "page": PAGE}
+        """The parameters of its next read alone (EVENTS)."""
+        return reads([self])
 
-    def take(self, rows: Iterable[tuple[str, int, Any, datetime]]) -> tuple[list[RunEvent], Then]:
-        """A read's events to deliver, in seq order, and what to do next."""
+    def take(self, rows: Iterable[tuple[int, str, int, Any, datetime]]
+             ) -> tuple[list[RunEvent], Then]:
+        """Its rows of a read (EVENTS'), to deliver in seq order, and what to do next."""
         page = _Page(rows)
         if page.status is None:
             raise NotFound(f"no run {self.run_id}")
@@ -342,16 +352,22 @@ class Stream:
         return events, "wait"
 
 
+def reads(streams: Sequence[Stream]) -> dict[str, Any]:
+    """The parameters of one read (EVENTS) for all these streams: row i is streams[i - 1]'s."""
+    return {"run_ids": [s.run_id for s in streams], "afters": [s.last for s in streams],
+            "tenants": [s.tenant for s in streams], "page": PAGE}
+
+
 class _Page:
     """One read of a follower, sorted into its parts."""
 
-    def __init__(self, rows: Iterable[tuple[str, int, Any, datetime]]) -> None:
+    def __init__(self, rows: Iterable[tuple[int, str, int, Any, datetime]]) -> None:
         self.status: str | None = None
         self.last_seq = 0
         self.progress: tuple[int, Any, datetime] | None = None
         events: list[RunEvent] = []
         messages = 0
-        for kind, seq, data, at in rows:
+        for _, kind, seq, data, at in rows:
             if kind == "run":
                 self.status, self.last_seq = data, seq
             elif kind == "progress":

@@ -173,9 +173,8 @@ def test_upgrade__0009_rewrites_no_run_row_so_its_lock_lasts_no_longer_with_hist
 async def _replay(dsn: str, run_id: uuid.UUID) -> list[tuple[int, str]]:
     """The status events a follower gets now (it stops at the last one stored)."""
     async with await aconnect(dsn, autocommit=True) as aconn:
-        cur = await aconn.execute(live.EVENTS, {"run_id": run_id, "tenant": None, "after": 0,
-                                                "page": live.PAGE})
-        return sorted((seq, data["status"]) for kind, seq, data, _ in await cur.fetchall()
+        cur = await aconn.execute(live.EVENTS, live.Stream(run_id, 0, 1, None).params())
+        return sorted((seq, data["status"]) for _, kind, seq, data, _ in await cur.fetchall()
                       if kind == "status")
 
 
@@ -224,9 +223,8 @@ def test_cancel_run_in_repeatable_read__a_checkpoint_write_in_flight_does_not_fa
 
 async def _kinds(dsn: str, run_id: uuid.UUID) -> list[tuple[int, str]]:
     async with await aconnect(dsn, autocommit=True) as aconn:
-        cur = await aconn.execute(live.EVENTS, {"run_id": run_id, "tenant": None, "after": 0,
-                                                "page": live.PAGE})
-        return sorted((seq, kind) for kind, seq, _, _ in await cur.fetchall()
+        cur = await aconn.execute(live.EVENTS, live.Stream(run_id, 0, 1, None).params())
+        return sorted((seq, kind) for _, kind, seq, _, _ in await cur.fetchall()
                       if kind not in ("run", "progress"))
 
 

@@ -14,7 +14,7 @@ import pytest
 import runpool
 from runpool.db import aconnect, connect
 from runpool.enqueue import RunSpec, enqueue, enqueue_many
-from runpool.live import EVENTS
+from runpool.live import EVENTS, Stream
 from runpool.live_hub import NAME, FollowHub
 
 from .helpers import running_pool, scalar, until
@@ -123,13 +123,12 @@ def test_follow__a_read_touches_only_its_runs_events_however_many_others_there_a
         conn.execute("ANALYZE runpool.run_events")
         total = scalar(conn, "SELECT count(*) FROM runpool.run_events")
         assert total >= 40_000
-        plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + EVENTS,
-                            {"run_id": ids[7], "tenant": None, "after": 0, "page": 500}
+        params = Stream(ids[7], 0, 1, None).params()
+        plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + EVENTS, params
                             ).fetchone()
         assert plan is not None
         top = (plan[0] if isinstance(plan[0], list) else json.loads(plan[0]))[0]["Plan"]
         blocks = top["Shared Hit Blocks"] + top["Shared Read Blocks"]
         assert blocks < 100, f"a read of one run touched {blocks} blocks"
-        rows = conn.execute(EVENTS, {"run_id": ids[7], "tenant": None, "after": 0,
-                                     "page": 500}).fetchall()
-        assert sum(kind == "status" for kind, *_ in rows) == 21  # 'queued' and its 20
+        rows = conn.execute(EVENTS, params).fetchall()
+        assert sum(kind == "status" for _, kind, *_ in rows) == 21  # 'queued' and its 20

@@ -7,12 +7,14 @@ import math
 import statistics
 import time
 import uuid
+from collections.abc import AsyncGenerator, Callable
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
 from ..db import aconnect, connect
 from ..enqueue import RunSpec, enqueue_many
-from ..live import follow, wait_async
+from ..live import RunEvent, follow, wait_async
+from ..live_hub import FollowHub
 from ..testing.databases import scratch_database
 from ..testing.pools import PoolProcess, running_pool
 from .measure import COUNT_DONE, DRAIN_RATE, LIVE_WORKERS, percentile, wait_until
@@ -43,23 +45,41 @@ async def _follow_delays(dsn: str, run_ids: list[uuid.UUID], *, listen: bool = T
                          poll: float = 1.0) -> list[float]:
     """One follower (its own connection) per run; each message's delay in ms from its commit
     (acknowledged to the handler) to its delivery, once the follower has caught up."""
+    async def events(run_id: uuid.UUID) -> AsyncGenerator[RunEvent, None]:
+        async with await aconnect(dsn, autocommit=True) as aconn:
+            async for event in follow(aconn, run_id, listen=listen, poll=poll):
+                yield event
+
+    return await _delays(run_ids, events)
+
+
+async def _delays(run_ids: list[uuid.UUID],
+                  events: Callable[[uuid.UUID], AsyncGenerator[RunEvent, None]]) -> list[float]:
+    """Each message's delay in ms from its commit (acknowledged to the handler) to its
+    delivery by `events`, once the follower has caught up; all runs followed at once."""
     async def one(run_id: uuid.UUID) -> list[float]:
         received: dict[int, float] = {}
         committed: dict[int, float] = {}
         live_since = math.inf
-        async with await aconnect(dsn, autocommit=True) as aconn:
-            async for event in follow(aconn, run_id, listen=listen, poll=poll):
-                live_since = min(live_since, time.time())
-                if event.kind == "message":
-                    i, previous = event.data["content"]["i"], event.data["content"][
-                        "previous_committed"]
-                    received[i] = time.time()
-                    if previous is not None:
-                        committed[i - 1] = previous
+        async for event in events(run_id):
+            live_since = min(live_since, time.time())
+            if event.kind == "message":
+                i, previous = event.data["content"]["i"], event.data["content"][
+                    "previous_committed"]
+                received[i] = time.time()
+                if previous is not None:
+                    committed[i - 1] = previous
         return [(received[i] - at) * 1000 for i, at in committed.items() if at > live_since]
 
     per_run = await asyncio.gather(*(one(r) for r in run_ids))
     return [d for delays in per_run for d in delays]
+
+
+async def _hub_delays(dsn: str, run_ids: list[uuid.UUID]) -> list[float]:
+    """_follow_delays with every follower in one FollowHub (one LISTEN connection, its
+    default readers) instead of a connection each."""
+    async with FollowHub(dsn) as hub:
+        return await _delays(run_ids, hub.follow)
 
 
 async def _wait_delays(dsn: str, run_ids: list[uuid.UUID], *, listen: bool = True,
@@ -95,6 +115,9 @@ def w12_follow_latency(server: str, *, runs: int = 100, messages: int = 20, gap:
             beats = enqueue_many(conn, [RunSpec("bench", "beat", {"messages": messages,
                                                                   "gap": gap})] * runs)
             followed = asyncio.run(_follow_delays(dsn, beats))
+            beats = enqueue_many(conn, [RunSpec("bench", "beat", {"messages": messages,
+                                                                  "gap": gap})] * runs)
+            hub_followed = asyncio.run(_hub_delays(dsn, beats))
             # Ends 20 ms apart: one waiter woken at a time, as in a service whose clients
             # each wait for their own run (not a batch of waiters in one process at once).
             sleeps = enqueue_many(conn, [RunSpec("bench", "sleep", {"seconds": 0.5 + i / 50})
@@ -108,6 +131,7 @@ def w12_follow_latency(server: str, *, runs: int = 100, messages: int = 20, gap:
             polled_wait = asyncio.run(_wait_delays(dsn, sleeps, listen=False))
         clock = "commit" if conn.execute(COMMIT_TIMES).fetchone() == ("on",) else "finished_at"
     return {"workload": "W12", "followers": runs, **_summary("follow", followed),
+            **_summary("hub_follow", hub_followed),
             "wait_from": clock,
             **_summary("wait", waited), "no_listen_poll_s": 1.0,
             "no_listen_follow_max_ms": round(max(polled), 1),
