@@ -25,6 +25,7 @@ from .errors import (
     WorkerFailed,
 )
 from .live import RunEvent, RunResult, follow, wait, wait_async
+from .live_hub import FollowHub
 from .pool import Pool
 from .resolve import resolve_tool_call
 from .settings import Settings
@@ -39,6 +40,7 @@ __all__ = [
     "DatabaseTimeout",
     "DatabaseUnreachable",
     "Fail",
+    "FollowHub",
     "InvalidInput",
     "LeaseLost",
     "Message",

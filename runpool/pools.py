@@ -38,7 +38,7 @@ class _MostRecentFirst(deque[Any]):
     """A pool's idle connections, the one returned last taken first. psycopg_pool takes from
     the left and returns to the right: every connection in turn, so a worker's trips visit all
     its server sessions, each cold in the CPU's caches when its turn comes back (W1 at 2 x 10:
-    faster this way in ten pairs of ten, the medians 1.2x; see the README). Returned to the
+    faster this way in ten pairs of ten, the medians 1.2x; see docs/performance.md). Returned to the
     left, the session just used serves the next trip, and the others only work beside it.
     (A session the server closed while it sat idle is found at its checkout: _still_open.)"""
 

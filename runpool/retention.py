@@ -25,7 +25,7 @@ __all__ = ["BATCH_SIZE", "Purger", "purge_every"]
 
 logger = logging.getLogger("runpool.retention")
 
-# Runs per batch: one batch is tens of milliseconds (see the README's measurements), short
+# Runs per batch: one batch is tens of milliseconds (W17, README: Performance), short
 # enough that nothing queues behind its transaction.
 BATCH_SIZE: Final = 1000
 # The longest wait between two turns of the cluster's purge (and between two looks of one

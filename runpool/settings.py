@@ -79,7 +79,7 @@ class Settings:
     alert_webhook: str | None = None
     # Worker processes (and the host's listener process) run on uvloop's event loop when it
     # is installed (a dependency where it builds): None uses it if importable, False never
-    # (README: Performance).
+    # (docs/performance.md).
     uvloop: bool | None = None
 
     def __post_init__(self) -> None:

@@ -132,3 +132,30 @@ def test_follow__a_read_touches_only_its_runs_events_however_many_others_there_a
         assert blocks < 100, f"a read of one run touched {blocks} blocks"
         rows = conn.execute(EVENTS, params).fetchall()
         assert sum(kind == "status" for _, kind, *_ in rows) == 21  # 'queued' and its 20
+
+
+def test_hub__a_run_followed_again_while_its_channel_is_being_dropped_is_still_heard(
+        dsn: str) -> None:
+    """A follower that came while the hub's UNLISTEN of its run was on its way was left
+    unheard (only its poll would bring the run's news). The new follower comes after 0, 1, 2,
+    ... turns of the event loop, so that one of them lands while the UNLISTEN is sent."""
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "nobody_serves_this")
+
+        async def main() -> str:
+            async with FollowHub(dsn, readers=1) as hub:
+                for turns in range(40):
+                    async with aclosing(hub.follow(run_id, poll=60)) as stream:
+                        await anext(stream)
+                    for _ in range(turns):
+                        await asyncio.sleep(0)
+                    async with aclosing(hub.follow(run_id, poll=60)) as stream:
+                        await anext(stream)
+                        await until(lambda: run_id in hub._listening,
+                                    f"the run LISTENed to again (after {turns} turns)", 5)
+                async with aclosing(hub.follow(run_id, after=1, poll=60)) as stream:
+                    conn.execute("SELECT runpool.cancel_run(%s)", (run_id,))
+                    event = await asyncio.wait_for(anext(stream), 10)
+                    return str(event.data["status"])
+
+        assert asyncio.run(main()) == "cancelled"
