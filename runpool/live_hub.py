@@ -61,6 +61,8 @@ READERS: Final = 4
 # statement (W12's 100 followers, rung in step: ~100 statements of ~0.6 ms of server time
 # each), and no result grows without bound (a run's read brings up to live.PAGE messages).
 BATCH: Final = 32
+# What a follow() waiting for a read when the hub closes raises (RuntimeError).
+CLOSED: Final = "the FollowHub was closed"
 # The readers' application_name; the LISTEN connection's is it + "-listen".
 NAME: Final = "runpool-follow"
 
@@ -115,7 +117,7 @@ class FollowHub:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task, self._readers = None, []
         while self._wanted:
-            _answer(self._wanted.popleft()[1], exc=RuntimeError("the FollowHub was closed"))
+            _answer(self._wanted.popleft()[1], exc=RuntimeError(CLOSED))
         await self._pool.close()
 
     async def __aenter__(self) -> FollowHub:
@@ -168,23 +170,33 @@ class FollowHub:
                 await self._work.wait()
                 continue
             try:
-                rows = await self._rows([stream for stream, _ in batch])
-            except Exception as exc:
-                if len(batch) == 1:
-                    _answer(batch[0][1], exc=exc)
-                    continue
-                # Whatever failed it, it costs the others no more than a read each alone.
-                for stream, answer in batch:
-                    try:
-                        _answer(answer, await self._rows([stream]))
-                    except Exception as alone:
-                        _answer(answer, exc=alone)
-                continue
-            mine: list[list[tuple[Any, ...]]] = [[] for _ in batch]
-            for row in rows:
-                mine[row[0] - 1].append(row)
-            for (_, answer), its in zip(batch, mine, strict=True):
-                _answer(answer, its)
+                await self._serve(batch)
+            except BaseException:  # (closed mid-read: its followers must not wait forever)
+                for _, answer in batch:
+                    _answer(answer, exc=RuntimeError(CLOSED))
+                raise
+
+    async def _serve(self, batch: list[tuple[Stream, asyncio.Future[list[tuple[Any, ...]]]]]
+                     ) -> None:
+        """Read for these followers in one statement, and answer each with its rows."""
+        try:
+            rows = await self._rows([stream for stream, _ in batch])
+        except Exception as exc:
+            if len(batch) == 1:
+                _answer(batch[0][1], exc=exc)
+                return
+            # Whatever failed it, it costs the others no more than a read each alone.
+            for stream, answer in batch:
+                try:
+                    _answer(answer, await self._rows([stream]))
+                except Exception as alone:
+                    _answer(answer, exc=alone)
+            return
+        mine: list[list[tuple[Any, ...]]] = [[] for _ in batch]
+        for row in rows:
+            mine[row[0] - 1].append(row)
+        for (_, answer), its in zip(batch, mine, strict=True):
+            _answer(answer, its)
 
     async def _rows(self, streams: list[Stream]) -> list[tuple[Any, ...]]:
         async with bounded(self._pool, READ_SECONDS) as conn:
@@ -284,8 +296,7 @@ class FollowHub:
             except ValueError:
                 continue
             self.heard += 1
-            for bell in self._bells.get(run_id, ()):
-                bell.set()
+            self._ring((run_id,))
 
 
 async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:

@@ -159,3 +159,31 @@ def test_hub__a_run_followed_again_while_its_channel_is_being_dropped_is_still_h
                     return str(event.data["status"])
 
         assert asyncio.run(main()) == "cancelled"
+
+
+def test_hub__closed_mid_read_its_followers_raise_instead_of_waiting_forever(dsn: str) -> None:
+    """A read held up by another session's lock when the hub closes: its follower raises
+    RuntimeError (the read was taken off the line, so nothing else would answer it)."""
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "nobody_serves_this")
+
+    def blocked_reads() -> int:
+        with connect(dsn, autocommit=True) as probe:
+            return int(scalar(probe, "SELECT count(*) FROM pg_stat_activity WHERE"
+                                     " application_name = %s AND wait_event_type = 'Lock'",
+                              NAME))
+
+    async def main() -> None:
+        hub = FollowHub(dsn, readers=1)
+        await hub.open()
+        stream = hub.follow(run_id, poll=0.05)
+        await anext(stream)  # 'queued'
+        with connect(dsn) as locker:  # a transaction holding the messages until it ends
+            locker.execute("LOCK TABLE runpool.messages IN ACCESS EXCLUSIVE MODE")
+            following = asyncio.ensure_future(anext(stream))
+            await until(lambda: blocked_reads() == 1, "the follower's read held up")
+            await asyncio.wait_for(hub.close(), 15)
+            with pytest.raises(RuntimeError, match="closed"):
+                await asyncio.wait_for(following, 5)
+
+    asyncio.run(main())
