@@ -24,7 +24,7 @@ from .limits import check_tenant
 from .live_io import Answer, Nap, Read, aexecute, anap, aperform, aquiet, idle, perform, quiet
 
 __all__ = ["EVENTS", "READ_SECONDS", "TERMINAL", "RunEvent", "RunResult", "Stream", "Then",
-           "channel", "follow", "reads", "wait", "wait_async"]
+           "channel", "follow", "page_size", "reads", "wait", "wait_async"]
 
 TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
 # Messages per page of a follower's read (their content may be large); status events and tool
@@ -332,10 +332,11 @@ class Stream:
         """The parameters of its next read alone (EVENTS)."""
         return reads([self])
 
-    def take(self, rows: Iterable[tuple[int, str, int, Any, datetime]]
+    def take(self, rows: Iterable[tuple[int, str, int, Any, datetime]], page_size: int = PAGE
              ) -> tuple[list[RunEvent], Then]:
-        """Its rows of a read (EVENTS'), to deliver in seq order, and what to do next."""
-        page = _Page(rows)
+        """Its rows of a read (EVENTS' with `page_size` messages a run at most), to deliver in
+        seq order, and what to do next."""
+        page = _Page(rows, page_size)
         if page.status is None:
             raise NotFound(f"no run {self.run_id}")
         events = page.events
@@ -352,16 +353,22 @@ class Stream:
         return events, "wait"
 
 
+def page_size(streams: int) -> int:
+    """Messages a run at most in one read for this many streams: a read brings no more
+    messages than one follower's page (PAGE), however many it serves (each may be large)."""
+    return max(1, PAGE // streams)
+
+
 def reads(streams: Sequence[Stream]) -> dict[str, Any]:
     """The parameters of one read (EVENTS) for all these streams: row i is streams[i - 1]'s."""
     return {"run_ids": [s.run_id for s in streams], "afters": [s.last for s in streams],
-            "tenants": [s.tenant for s in streams], "page": PAGE}
+            "tenants": [s.tenant for s in streams], "page": page_size(len(streams))}
 
 
 class _Page:
     """One read of a follower, sorted into its parts."""
 
-    def __init__(self, rows: Iterable[tuple[int, str, int, Any, datetime]]) -> None:
+    def __init__(self, rows: Iterable[tuple[int, str, int, Any, datetime]], size: int) -> None:
         self.status: str | None = None
         self.last_seq = 0
         self.progress: tuple[int, Any, datetime] | None = None
@@ -378,7 +385,7 @@ class _Page:
         events.sort(key=lambda e: e.seq)
         # A full page of messages: the events past its last message wait for the next read
         # (one of them may be a message after it that this page did not bring).
-        self.full = messages >= PAGE
+        self.full = messages >= size
         if self.full:
             bound = max(e.seq for e in events if e.kind == "message")
             events = [e for e in events if e.seq <= bound]

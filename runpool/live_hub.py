@@ -12,8 +12,10 @@ of a run when its doorbell comes. Their reads wait in one line, in the order the
 for; `readers` tasks, each with a pooled connection, read for up to BATCH of them in one
 statement (live.EVENTS reads any number of runs). So the followers whose doorbells rang
 together cost one statement, not one each (W12 through a hub: p50 2-3 ms, p99 7-14 ms). Each
-follower has at most one read waiting, so a run whose doorbell is rung without end (a forger's
-NOTIFY) costs its own follower reads, and the others a place in a batch at most.
+follower has at most one read waiting, and a read brings no more messages than one follower's
+page (live.page_size), however many followers it serves. A run whose doorbell rings past
+FLOOD times a second (a forger's NOTIFY) is not listened to for a while: its followers poll
+fast meanwhile, and the others' doorbells do not queue behind the flood.
 
 A follower is rung once its channel is LISTENed to, so it reads what committed before then;
 its first read happens at once, without waiting for the LISTEN. When the LISTEN connection
@@ -40,10 +42,13 @@ from .codec import configure
 from .db import SESSION_SETUP, aconnect, connection_options, named
 from .deadlines import bounded
 from .listener import NoiseLog
-from .live import EVENTS, READ_SECONDS, RunEvent, Stream, channel, reads
+from .live import EVENTS, READ_SECONDS, RunEvent, Stream, channel, page_size, reads
 from .live_io import aexecute
 
 __all__ = ["FollowHub"]
+
+# A read's rows for one follower, and the most messages a run that read brought.
+Answer = tuple[list[tuple[Any, ...]], int]
 
 logger = logging.getLogger("runpool.live")
 
@@ -61,6 +66,16 @@ READERS: Final = 4
 # statement (W12's 100 followers, rung in step: ~100 statements of ~0.6 ms of server time
 # each), and no result grows without bound (a run's read brings up to live.PAGE messages).
 BATCH: Final = 32
+# A run whose doorbell rings more than FLOOD times in one second is not listened to for
+# MUTE_SECONDS, and its followers read every MUTED_POLL seconds meanwhile. Any login may
+# NOTIFY a run's channel, and one connection hears every followed run's doorbells in order:
+# a forger's 100,000 a second on one followed run (Python reads ~50,000 a second) held every
+# other run's doorbells back for seconds; UNLISTENed, the server skips them. A run's own
+# writes ring it at most a few hundred times a second (group commit, coalesced doorbells);
+# one ringing faster is followed at MUTED_POLL's pace until it calms down.
+FLOOD: Final = 200
+MUTE_SECONDS: Final = 10.0
+MUTED_POLL: Final = 0.1
 # What a follow() waiting for a read when the hub closes raises (RuntimeError).
 CLOSED: Final = "the FollowHub was closed"
 # The readers' application_name; the LISTEN connection's is it + "-listen".
@@ -88,10 +103,17 @@ class FollowHub:
         self._changed = asyncio.Event()  # a run to LISTEN or UNLISTEN
         self._task: asyncio.Task[None] | None = None
         # The reads followers wait for, in the order they asked, and the tasks making them.
-        self._wanted: deque[tuple[Stream, asyncio.Future[list[tuple[Any, ...]]]]] = deque()
+        self._wanted: deque[tuple[Stream, asyncio.Future[Answer]]] = deque()
         self._work = asyncio.Event()  # a read is wanted
         self._readers: list[asyncio.Task[None]] = []
+        self._closed = False
+        # Doorbells heard per run in the current second (since `_second`), and the runs not
+        # listened to until when (the loop's clock) for their doorbells' flood.
+        self._counts: dict[uuid.UUID, int] = {}
+        self._second = 0.0
+        self._muted: dict[uuid.UUID, float] = {}
         self._lost = NoiseLog()
+        self._floods = NoiseLog()
         # Doorbells heard, LISTEN connections made (the tests' view).
         self.heard = 0
         self.connections = 0
@@ -111,6 +133,8 @@ class FollowHub:
     async def close(self) -> None:
         """Stop listening and reading; a follow() still waiting for a read raises
         RuntimeError."""
+        self._closed = True
+        self._ring(list(self._bells))  # (the followers waiting for a doorbell raise now)
         tasks = [t for t in (self._task, *self._readers) if t is not None]
         for task in tasks:
             task.cancel()
@@ -138,21 +162,23 @@ class FollowHub:
         try:
             while True:
                 bell.clear()  # before the read: a doorbell during it makes another
-                events, then = stream.take(await self._read(stream))
+                events, then = stream.take(*await self._read(stream))
                 for event in events:
                     yield event  # (no connection held while the caller takes it)
                 if then == "end":
                     return
                 if then == "wait":
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(bell.wait(), stream.poll)
+                        await asyncio.wait_for(bell.wait(), self._poll(stream))
         finally:
             self._unsubscribe(stream.run_id, bell)
 
-    async def _read(self, stream: Stream) -> list[tuple[Any, ...]]:
-        """The stream's rows of the next read, made with the reads wanted meanwhile."""
-        answer: asyncio.Future[list[tuple[Any, ...]]] = \
-            asyncio.get_running_loop().create_future()
+    async def _read(self, stream: Stream) -> Answer:
+        """The stream's rows of the next read, made with the reads wanted meanwhile, and the
+        page size that read had."""
+        if self._closed:
+            raise RuntimeError(CLOSED)
+        answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._wanted.append((stream, answer))
         self._work.set()
         return await answer
@@ -160,7 +186,7 @@ class FollowHub:
     async def _reader(self) -> None:
         """One of `readers`: reads for up to BATCH waiting followers at a time, in turn."""
         while True:
-            batch: list[tuple[Stream, asyncio.Future[list[tuple[Any, ...]]]]] = []
+            batch: list[tuple[Stream, asyncio.Future[Answer]]] = []
             while self._wanted and len(batch) < BATCH:
                 wanted = self._wanted.popleft()
                 if not wanted[1].done():  # (not a follower gone meanwhile)
@@ -176,8 +202,7 @@ class FollowHub:
                     _answer(answer, exc=RuntimeError(CLOSED))
                 raise
 
-    async def _serve(self, batch: list[tuple[Stream, asyncio.Future[list[tuple[Any, ...]]]]]
-                     ) -> None:
+    async def _serve(self, batch: list[tuple[Stream, asyncio.Future[Answer]]]) -> None:
         """Read for these followers in one statement, and answer each with its rows."""
         try:
             rows = await self._rows([stream for stream, _ in batch])
@@ -188,15 +213,16 @@ class FollowHub:
             # Whatever failed it, it costs the others no more than a read each alone.
             for stream, answer in batch:
                 try:
-                    _answer(answer, await self._rows([stream]))
+                    _answer(answer, (await self._rows([stream]), page_size(1)))
                 except Exception as alone:
                     _answer(answer, exc=alone)
             return
         mine: list[list[tuple[Any, ...]]] = [[] for _ in batch]
         for row in rows:
             mine[row[0] - 1].append(row)
+        size = page_size(len(batch))
         for (_, answer), its in zip(batch, mine, strict=True):
-            _answer(answer, its)
+            _answer(answer, (its, size))
 
     async def _rows(self, streams: list[Stream]) -> list[tuple[Any, ...]]:
         async with bounded(self._pool, READ_SECONDS) as conn:
@@ -256,11 +282,15 @@ class FollowHub:
                            extra={"action": "follow_hub_listen_lost"})
 
     async def _sync(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """LISTEN to the runs followed now and UNLISTEN the others; ring the newly heard (a
-        write may have committed between their first read and the LISTEN)."""
+        """LISTEN to the runs followed now and not muted, UNLISTEN the others; ring the newly
+        heard (a write may have committed between their first read and the LISTEN)."""
         self._changed.clear()
-        add = [r for r in self._bells if r not in self._listening]
-        drop = [r for r in self._listening if r not in self._bells]
+        now = asyncio.get_running_loop().time()
+        for run_id, until in list(self._muted.items()):
+            if until <= now:
+                del self._muted[run_id]
+        add = [r for r in self._bells if r not in self._listening and r not in self._muted]
+        drop = [r for r in self._listening if r not in self._bells or r in self._muted]
         for verb, runs in (("LISTEN", add), ("UNLISTEN", drop)):
             for at in range(0, len(runs), CHANNELS_PER_STATEMENT):
                 part = runs[at:at + CHANNELS_PER_STATEMENT]
@@ -277,8 +307,12 @@ class FollowHub:
         Doorbells that come while a LISTEN runs wait in psycopg's backlog for the next."""
         reading = asyncio.ensure_future(self._dispatch(conn))
         changed = asyncio.ensure_future(self._changed.wait())
+        # (Until the first muted run is to be heard again, at most.)
+        until = min(self._muted.values(), default=None)
+        timeout = None if until is None else max(0.0, until - asyncio.get_running_loop().time())
         try:
-            await asyncio.wait((reading, changed), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((reading, changed), timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in (reading, changed):
                 task.cancel()
@@ -296,7 +330,30 @@ class FollowHub:
             except ValueError:
                 continue
             self.heard += 1
+            self._count(run_id)
             self._ring((run_id,))
+
+    def _count(self, run_id: uuid.UUID) -> None:
+        """Mute a run whose doorbell rings past FLOOD times in a second."""
+        now = asyncio.get_running_loop().time()
+        if now - self._second >= 1.0:
+            self._counts.clear()
+            self._second = now
+        heard = self._counts[run_id] = self._counts.get(run_id, 0) + 1
+        if heard > FLOOD and run_id not in self._muted:
+            self._muted[run_id] = now + MUTE_SECONDS
+            self._changed.set()
+            count = self._floods.count()
+            if count:
+                logger.warning("follow hub: run %s's doorbell rang over %d times in a second"
+                               " (%d runs muted since the last line): not listened to for %g s;"
+                               " its followers read every %g s meanwhile", run_id, FLOOD, count,
+                               MUTE_SECONDS, MUTED_POLL,
+                               extra={"action": "follow_hub_muted", "run_id": str(run_id)})
+
+    def _poll(self, stream: Stream) -> float:
+        """How long a follower waits for a doorbell before it reads anyway."""
+        return min(stream.poll, MUTED_POLL) if stream.run_id in self._muted else stream.poll
 
 
 async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -305,12 +362,12 @@ async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
     await conn.execute(SESSION_SETUP)
 
 
-def _answer(answer: asyncio.Future[list[tuple[Any, ...]]], rows: list[tuple[Any, ...]] | None
-            = None, *, exc: BaseException | None = None) -> None:
+def _answer(answer: asyncio.Future[Answer], rows: Answer | None = None, *,
+            exc: BaseException | None = None) -> None:
     """Answer a follower's read, unless it is gone (its future cancelled)."""
     if answer.done():
         return
     if exc is not None:
         answer.set_exception(exc)
-    else:
-        answer.set_result(rows or [])
+    elif rows is not None:
+        answer.set_result(rows)

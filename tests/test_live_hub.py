@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
 import runpool
 from runpool.db import aconnect, connect
 from runpool.enqueue import RunSpec, enqueue, enqueue_many
-from runpool.live import EVENTS, Stream
+from runpool.live import EVENTS, Stream, channel
 from runpool.live_hub import NAME, FollowHub
 
-from .helpers import running_pool, scalar, until
+from .helpers import running_pool, scalar, until, wait_for
 from .test_live import _check_stream, _collect
 
 
@@ -162,8 +163,8 @@ def test_hub__a_run_followed_again_while_its_channel_is_being_dropped_is_still_h
 
 
 def test_hub__closed_mid_read_its_followers_raise_instead_of_waiting_forever(dsn: str) -> None:
-    """A read held up by another session's lock when the hub closes: its follower raises
-    RuntimeError (the read was taken off the line, so nothing else would answer it)."""
+    """When the hub closes, a follower whose read another session's lock holds up, and one
+    waiting for its run's doorbell, raise RuntimeError: nothing would answer them after."""
     with connect(dsn, autocommit=True) as conn:
         run_id = enqueue(conn, "acme", "nobody_serves_this")
 
@@ -178,12 +179,105 @@ def test_hub__closed_mid_read_its_followers_raise_instead_of_waiting_forever(dsn
         await hub.open()
         stream = hub.follow(run_id, poll=0.05)
         await anext(stream)  # 'queued'
+        # Another follower waits for its run's doorbell (its poll is a minute away).
+        waiting = hub.follow(run_id, poll=60)
+        await anext(waiting)
+        asleep = asyncio.ensure_future(anext(waiting))
         with connect(dsn) as locker:  # a transaction holding the messages until it ends
             locker.execute("LOCK TABLE runpool.messages IN ACCESS EXCLUSIVE MODE")
             following = asyncio.ensure_future(anext(stream))
             await until(lambda: blocked_reads() == 1, "the follower's read held up")
             await asyncio.wait_for(hub.close(), 15)
-            with pytest.raises(RuntimeError, match="closed"):
-                await asyncio.wait_for(following, 5)
+            for follower in (following, asleep):
+                with pytest.raises(RuntimeError, match="closed"):
+                    await asyncio.wait_for(follower, 5)
 
     asyncio.run(main())
+
+
+def test_hub__many_followers_catching_up_on_a_long_run_read_it_in_small_pages(dsn: str) -> None:
+    """40 followers of a run of 600 messages, from scratch at once: a read serving 32 of them
+    brings 15 messages of the run for each (no more than one follower's page in all), and each
+    still gets every event once, in order."""
+    with connect(dsn, autocommit=True) as conn, running_pool(dsn):
+        run_id = enqueue(conn, "acme", "chatty", {"steps": 300})
+        wait_for(lambda: scalar(conn, "SELECT status FROM runpool.runs WHERE id = %s", run_id)
+                 == "succeeded", what="the long run to end")
+
+        async def main() -> list[list[runpool.RunEvent]]:
+            async with FollowHub(dsn, readers=1) as hub:
+                return await asyncio.wait_for(asyncio.gather(
+                    *(_hub_story(hub, run_id, poll=60) for _ in range(40))), 60)
+
+        whole = [(e.seq, e.kind, e.data) for e in asyncio.run(_collect(dsn, run_id))]
+        assert sum(kind == "message" for _, kind, _ in whole) == 600
+        for story in asyncio.run(main()):
+            assert [(e.seq, e.kind, e.data) for e in story] == whole
+
+
+# Another process's forged doorbells on channel argv[2]: three sessions, 100 a transaction,
+# back to back, for argv[3] seconds; it prints how many it had sent half way, then in all.
+FLOOD: Final = """
+import sys, threading, time, psycopg
+dsn, name, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+sent, start = [0, 0, 0], time.monotonic()
+def flood(k):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < start + seconds:
+            conn.execute("SELECT pg_notify(%s, g::text) FROM generate_series(1, 100) g", (name,))
+            sent[k] += 100
+threads = [threading.Thread(target=flood, args=(k,)) for k in range(3)]
+for t in threads: t.start()
+time.sleep(seconds / 2)
+print(sum(sent), flush=True)
+for t in threads: t.join()
+print(sum(sent), flush=True)
+"""
+
+
+def test_hub__a_flood_of_forged_doorbells_on_one_run_is_muted_and_others_are_heard_past_it(
+        dsn: str) -> None:
+    """Any login may NOTIFY a followed run's channel, and the hub hears every followed run on
+    one connection, in order: forged doorbells of one run, faster than Python reads them
+    (~50,000 a second), held another run's doorbell behind them for seconds (the attack:
+    28.5 s for 7 s of events). Past FLOOD a second the run is UNLISTENed, and the server
+    skips the rest of its flood for the hub."""
+    with connect(dsn, autocommit=True) as conn:
+        forged = enqueue(conn, "evil", "nobody_serves_this")
+        victim = enqueue(conn, "acme", "nobody_serves_this")
+
+        async def main() -> tuple[str, int, int, bool]:
+            async with FollowHub(dsn, readers=1) as hub:
+                attacker = hub.follow(forged, poll=60)
+                await anext(attacker)  # 'queued'
+                follower = hub.follow(victim, after=1, poll=60)
+                following = asyncio.ensure_future(anext(follower))
+
+                def idle() -> bool:
+                    """Both listened to, and the victim's follower read since (its LISTEN
+                    rang it) and waits for its doorbell: no read wanted, its bell not rung."""
+                    return ({forged, victim} <= hub._listening and not hub._work.is_set()
+                            and not any(b.is_set() for b in hub._bells.get(victim, ())))
+
+                await until(idle, "the victim's follower waiting for its doorbell")
+                flood = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", FLOOD, dsn, channel(forged), "4",
+                    stdout=asyncio.subprocess.PIPE)
+                assert flood.stdout is not None
+                sent = int(await flood.stdout.readline())  # half way through the flood
+                # Its doorbell comes after `sent` forged ones: a hub reading each of them
+                # would have heard at least as many by the time it hears the victim's.
+                conn.execute("SELECT runpool.cancel_run(%s)", (victim,))
+                event = await asyncio.wait_for(following, 30)
+                heard = hub.heard
+                muted = forged in getattr(hub, "_muted", {})
+                await flood.communicate()
+                await attacker.aclose()
+                await follower.aclose()
+                return str(event.data["status"]), heard, sent, muted
+
+        status, heard, sent, muted = asyncio.run(main())
+        assert status == "cancelled"
+        assert sent >= 20_000, f"the flood sent only {sent}"
+        assert heard < sent // 10, f"the hub read {heard} of {sent} forged doorbells"
+        assert muted
