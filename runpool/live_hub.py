@@ -11,7 +11,7 @@ A FollowHub LISTENs on each followed run's channel on one connection and rings t
 of a run when its doorbell comes. Their reads wait in one line, in the order they were asked
 for; `readers` tasks, each with a pooled connection, read for up to BATCH of them in one
 statement (live.EVENTS reads any number of runs). So the followers whose doorbells rang
-together cost one statement, not one each (W12 through a hub: p50 2-3 ms, p99 7-14 ms). Each
+together cost one statement, not one each (W12 through a hub: p50 2-3 ms, p99 7-20 ms). Each
 follower has at most one read waiting, and a read brings no more messages than one follower's
 page (live.page_size), however many followers it serves. A run whose doorbell rings past
 FLOOD times a second (a forger's NOTIFY) is not listened to for a while: its followers poll
