@@ -332,11 +332,11 @@ class Stream:
         """The parameters of its next read alone (EVENTS)."""
         return reads([self])
 
-    def take(self, rows: Iterable[tuple[int, str, int, Any, datetime]], page_size: int = PAGE
+    def take(self, rows: Iterable[tuple[int, str, int, Any, datetime]], size: int = PAGE
              ) -> tuple[list[RunEvent], Then]:
-        """Its rows of a read (EVENTS' with `page_size` messages a run at most), to deliver in
-        seq order, and what to do next."""
-        page = _Page(rows, page_size)
+        """Its rows of a read (EVENTS' with `size` messages a run at most), to deliver in seq
+        order, and what to do next."""
+        page = _Page(rows, size)
         if page.status is None:
             raise NotFound(f"no run {self.run_id}")
         events = page.events

@@ -32,8 +32,8 @@ logger = logging.getLogger("runpool.web")
 # Seconds a client has to send a request's head (Go's ReadHeaderTimeout is commonly 10 s;
 # nginx's client_header_timeout is 60 s): any real client sends it in one packet.
 HEADER_TIMEOUT: Final = 10.0
-# Sockets the server holds at once: the app's 200 event streams and its pool's 8 database
-# connections stay well inside the usual 1,024 file descriptors.
+# Sockets the server holds at once: the app's 400 event streams, its pool's 8 database
+# connections and its streams' hub's 5 stay well inside the usual 1,024 file descriptors.
 MAX_CONNECTIONS: Final = 500
 # What a connection beyond the cap is answered, before its request is read.
 REFUSAL: Final = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8"
