@@ -168,8 +168,12 @@ class FollowHub:
                 if then == "end":
                     return
                 if then == "wait":
+                    # (asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel
+                    # that comes as the bell rings, and the follower went on: 168 of 1,000
+                    # cancelled followers of a run rung 150 times a second.)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(bell.wait(), self._poll(stream))
+                        async with asyncio.timeout(self._poll(stream)):
+                            await bell.wait()
         finally:
             self._unsubscribe(stream.run_id, bell)
 

@@ -11,6 +11,7 @@ from contextlib import aclosing
 from typing import Any, Final
 
 import pytest
+from psycopg import sql
 
 import runpool
 from runpool.db import aconnect, connect
@@ -281,3 +282,41 @@ def test_hub__a_flood_of_forged_doorbells_on_one_run_is_muted_and_others_are_hea
         assert sent >= 20_000, f"the flood sent only {sent}"
         assert heard < sent // 10, f"the hub read {heard} of {sent} forged doorbells"
         assert muted
+
+
+def test_hub__a_cancelled_follower_stops_even_as_its_run_is_rung(dsn: str) -> None:
+    """Python 3.11's wait_for swallows a cancel that comes as its wait ends: a follower
+    waiting for a doorbell with wait_for, cancelled as the doorbell rang, went on following
+    (an attack: 168 of 1,000 cancelled followers of a run rung 150 times a second)."""
+    with connect(dsn, autocommit=True) as conn:
+        run_id = enqueue(conn, "acme", "nobody_serves_this")
+
+    async def follow_on(hub: FollowHub) -> None:
+        async with aclosing(hub.follow(run_id, poll=60)) as stream:
+            async for _ in stream:
+                pass
+
+    async def main() -> None:
+        async with FollowHub(dsn) as hub, await aconnect(dsn, autocommit=True) as ringer:
+            ringing = True
+
+            async def ring() -> None:  # ~150 doorbells a second, under the hub's FLOOD
+                while ringing:
+                    await ringer.execute(sql.SQL("NOTIFY {}").format(
+                        sql.Identifier(channel(run_id))))
+                    await asyncio.sleep(0.006)
+
+            rings = asyncio.ensure_future(ring())
+            for _ in range(8):
+                followers = [asyncio.ensure_future(follow_on(hub)) for _ in range(50)]
+                await until(lambda: hub.followers == 50, "50 followers")
+                for i, follower in enumerate(followers):
+                    follower.cancel()
+                    await asyncio.sleep(0.001 * (i % 4))  # (cancels at every phase)
+                _, going_on = await asyncio.wait(followers, timeout=5)
+                assert not going_on, f"{len(going_on)} of 50 cancelled followers went on"
+            ringing = False
+            await rings
+            assert hub.followers == 0
+
+    asyncio.run(main())

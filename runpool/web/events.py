@@ -33,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from runpool.errors import InvalidInput
 from runpool.live import TERMINAL, RunEvent
 from runpool.live_hub import FollowHub
+from runpool.tasks import cancel_all
 
 from .state import parse_run_id, web_of
 
@@ -109,8 +110,7 @@ async def _stream(hub: FollowHub, run_id: uuid.UUID, after: int, tenant: str | N
                 return
             yield frame(item)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_all([task])  # (a cancel a wait swallowed would leave the pump running)
 
 
 class _EventStream(StreamingResponse):
