@@ -327,6 +327,9 @@ class Stream:
         self.run_id, self.last = _run_id(run_id), _after(after)
         self.poll, self.tenant = _poll(poll), check_tenant(tenant)
         self._progress: int | None = None  # the version of the progress last delivered
+        # Whether its last read brought all there was (not a full page): a FollowHub reads
+        # such streams together, and one still catching up alone, with a whole page.
+        self.caught_up = False
 
     def params(self) -> dict[str, Any]:
         """The parameters of its next read alone (EVENTS)."""
@@ -342,6 +345,7 @@ class Stream:
         events = page.events
         if events:
             self.last = events[-1].seq
+        self.caught_up = not page.full
         if page.full:
             return events, "read"
         if page.status in TERMINAL and self.last >= page.last_seq:

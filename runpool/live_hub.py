@@ -64,18 +64,32 @@ RECONNECT_MAX: Final = 5.0
 READERS: Final = 4
 # The most followers one read serves: the runs whose doorbells rang together are read in one
 # statement (W12's 100 followers, rung in step: ~100 statements of ~0.6 ms of server time
-# each), and no result grows without bound (a run's read brings up to live.PAGE messages).
+# each). Only followers that have caught up are read together, each run's messages split
+# into one follower's page (live.page_size): a follower catching up reads alone, a whole
+# page at a time, as follow() does (together, 40 followers of a run of 2,000 tool calls read
+# them over and over in small pages: 17.6 s against 1.9 s alone, and 32 followers of runs
+# of 1 MB messages held 3 GB at once).
 BATCH: Final = 32
 # A run whose doorbell rings more than FLOOD times in one second is not listened to for
 # MUTE_SECONDS, and its followers read every MUTED_POLL seconds meanwhile. Any login may
 # NOTIFY a run's channel, and one connection hears every followed run's doorbells in order:
-# a forger's 100,000 a second on one followed run (Python reads ~50,000 a second) held every
+# a forger's 500,000 a second on one followed run (Python reads ~50,000 a second) held every
 # other run's doorbells back for seconds; UNLISTENed, the server skips them. A run's own
-# writes ring it at most a few hundred times a second (group commit, coalesced doorbells);
-# one ringing faster is followed at MUTED_POLL's pace until it calms down.
-FLOOD: Final = 200
+# writes ring it far less (an attack's fastest real runs, a tool loop and 1,500 messages
+# with no pause, were muted at 200 a second); one ringing faster is followed at MUTED_POLL's
+# pace until it calms down.
+FLOOD: Final = 1000
+# ... and while the hub hears more than HUB_FLOOD doorbells in a second in all (a forger's
+# flood spread over many followed runs, each under FLOOD: 50 runs at 7,000 a second held
+# other runs' doorbells back for 24 s), each run heard more than BUSY_RUN times in it. Real
+# runs ring a hub a few thousand times a second in all.
+HUB_FLOOD: Final = 20_000
+BUSY_RUN: Final = 50
 MUTE_SECONDS: Final = 10.0
 MUTED_POLL: Final = 0.1
+# Seconds between two fresh LISTEN connections asked for by floods (_listen_on): a flood
+# re-muted every MUTE_SECONDS on many runs must not keep the hub reconnecting.
+FRESH_EVERY: Final = 1.0
 # What a follow() waiting for a read when the hub closes raises (RuntimeError).
 CLOSED: Final = "the FollowHub was closed"
 # The readers' application_name; the LISTEN connection's is it + "-listen".
@@ -111,7 +125,11 @@ class FollowHub:
         # listened to until when (the loop's clock) for their doorbells' flood.
         self._counts: dict[uuid.UUID, int] = {}
         self._second = 0.0
+        self._total = 0  # doorbells heard in the current second, all runs
         self._muted: dict[uuid.UUID, float] = {}
+        # A run was muted: listen on a fresh connection (_listen_on); the last one's time.
+        self._fresh = False
+        self._fresh_at = -FRESH_EVERY
         self._lost = NoiseLog()
         self._floods = NoiseLog()
         # Doorbells heard, LISTEN connections made (the tests' view).
@@ -188,13 +206,20 @@ class FollowHub:
         return await answer
 
     async def _reader(self) -> None:
-        """One of `readers`: reads for up to BATCH waiting followers at a time, in turn."""
+        """One of `readers`: reads for up to BATCH waiting followers at a time, in turn; a
+        follower still catching up (its first read, or its last brought a full page) alone."""
         while True:
             batch: list[tuple[Stream, asyncio.Future[Answer]]] = []
             while self._wanted and len(batch) < BATCH:
-                wanted = self._wanted.popleft()
-                if not wanted[1].done():  # (not a follower gone meanwhile)
-                    batch.append(wanted)
+                stream, answer = self._wanted[0]
+                if answer.done():  # (a follower gone meanwhile)
+                    self._wanted.popleft()
+                    continue
+                if not stream.caught_up:
+                    if not batch:
+                        batch.append(self._wanted.popleft())
+                    break
+                batch.append(self._wanted.popleft())
             if not batch:
                 self._work.clear()
                 await self._work.wait()
@@ -265,18 +290,39 @@ class FollowHub:
             else:
                 self.connections += 1
                 self._listening = set()
+                pause = RECONNECT_PAUSE
+                fresh = False
                 try:
                     async with conn:
-                        while True:
-                            pause = RECONNECT_PAUSE  # (connected and listening)
-                            await self._sync(conn)
-                            await self._hear(conn)
+                        await self._listen_on(conn)
+                    fresh = True
                 except psycopg.Error as exc:
                     self._say_lost(exc)
                 self._listening = set()
                 self._ring(list(self._bells))  # a doorbell may have been lost meanwhile
+                if fresh:
+                    continue
             await asyncio.sleep(pause)
             pause = min(pause * 2, RECONNECT_MAX)
+
+    async def _listen_on(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """LISTEN and hear on `conn` until a flood asks for a fresh connection (returns).
+
+        Why a fresh one: the server sends a session all it has queued for it before it reads
+        the session's next statement, so an UNLISTEN of a flooded run waits behind the flood's
+        backlog (an attack: 8 s, 1.4 million doorbells read, with 50 runs flooded), while a
+        new session starts at the queue's head. At most one a FRESH_EVERY: until the next is
+        due, this one hears on and sends nothing (an UNLISTEN would wait behind the flood)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._fresh:
+                await self._sync(conn)
+            elif loop.time() >= self._fresh_at + FRESH_EVERY:
+                self._fresh, self._fresh_at = False, loop.time()
+                return
+            else:
+                self._changed.clear()  # (the fresh connection's first _sync sees all)
+            await self._hear(conn)
 
     def _say_lost(self, exc: Exception) -> None:
         count = self._lost.count()
@@ -311,8 +357,10 @@ class FollowHub:
         Doorbells that come while a LISTEN runs wait in psycopg's backlog for the next."""
         reading = asyncio.ensure_future(self._dispatch(conn))
         changed = asyncio.ensure_future(self._changed.wait())
-        # (Until the first muted run is to be heard again, at most.)
-        until = min(self._muted.values(), default=None)
+        # (Until the first muted run is to be heard again, or a fresh connection is due, at
+        # most.)
+        until = min([*self._muted.values(),
+                     *([self._fresh_at + FRESH_EVERY] if self._fresh else [])], default=None)
         timeout = None if until is None else max(0.0, until - asyncio.get_running_loop().time())
         try:
             await asyncio.wait((reading, changed), timeout=timeout,
@@ -338,21 +386,25 @@ class FollowHub:
             self._ring((run_id,))
 
     def _count(self, run_id: uuid.UUID) -> None:
-        """Mute a run whose doorbell rings past FLOOD times in a second."""
+        """Mute a run whose doorbell rings past FLOOD times in a second, or past BUSY_RUN
+        while the hub hears past HUB_FLOOD in all."""
         now = asyncio.get_running_loop().time()
         if now - self._second >= 1.0:
             self._counts.clear()
-            self._second = now
+            self._second, self._total = now, 0
         heard = self._counts[run_id] = self._counts.get(run_id, 0) + 1
-        if heard > FLOOD and run_id not in self._muted:
+        self._total += 1
+        loud = heard > FLOOD or (self._total > HUB_FLOOD and heard > BUSY_RUN)
+        if loud and run_id not in self._muted:
             self._muted[run_id] = now + MUTE_SECONDS
+            self._fresh = True
             self._changed.set()
             count = self._floods.count()
             if count:
-                logger.warning("follow hub: run %s's doorbell rang over %d times in a second"
-                               " (%d runs muted since the last line): not listened to for %g s;"
-                               " its followers read every %g s meanwhile", run_id, FLOOD, count,
-                               MUTE_SECONDS, MUTED_POLL,
+                logger.warning("follow hub: run %s's doorbell rang %d times in a second (%d in"
+                               " all; %d runs muted since the last line): not listened to for"
+                               " %g s; its followers read every %g s meanwhile", run_id, heard,
+                               self._total, count, MUTE_SECONDS, MUTED_POLL,
                                extra={"action": "follow_hub_muted", "run_id": str(run_id)})
 
     def _poll(self, stream: Stream) -> float:
