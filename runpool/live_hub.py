@@ -44,6 +44,7 @@ from .deadlines import bounded
 from .listener import NoiseLog
 from .live import EVENTS, READ_SECONDS, RunEvent, Stream, channel, page_size, reads
 from .live_io import aexecute
+from .tasks import cancel_all
 
 __all__ = ["FollowHub"]
 
@@ -149,14 +150,10 @@ class FollowHub:
                          for _ in range(self._pool.max_size)]
 
     async def close(self) -> None:
-        """Stop listening and reading; a follow() still waiting for a read raises
-        RuntimeError."""
+        """Stop listening and reading; every follow() still open raises RuntimeError."""
         self._closed = True
         self._ring(list(self._bells))  # (the followers waiting for a doorbell raise now)
-        tasks = [t for t in (self._task, *self._readers) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all([t for t in (self._task, *self._readers) if t is not None])
         self._task, self._readers = None, []
         while self._wanted:
             _answer(self._wanted.popleft()[1], exc=RuntimeError(CLOSED))
@@ -175,7 +172,7 @@ class FollowHub:
         """The run's events after seq `after` (see the class)."""
         stream = Stream(run_id, after, poll, tenant)
         if self._task is None:
-            raise RuntimeError("FollowHub.follow before open()")
+            raise RuntimeError("FollowHub.follow outside open() ... close()")
         bell = self._subscribe(stream.run_id)
         try:
             while True:
