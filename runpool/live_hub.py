@@ -12,10 +12,12 @@ of a run when its doorbell comes. Their reads wait in one line, in the order the
 for; `readers` tasks, each with a pooled connection, read for up to BATCH of them in one
 statement (live.EVENTS reads any number of runs). So the followers whose doorbells rang
 together cost one statement, not one each (W12 through a hub: p50 2-3 ms, p99 7-20 ms). Each
-follower has at most one read waiting, and a read brings no more messages than one follower's
-page (live.page_size), however many followers it serves. A run whose doorbell rings past
-FLOOD times a second (a forger's NOTIFY) is not listened to for a while: its followers poll
-fast meanwhile, and the others' doorbells do not queue behind the flood.
+follower has at most one read waiting; a follower still catching up reads alone, and a read
+for many brings no more messages than one follower's page (live.page_size). A run whose
+doorbell rings past FLOOD times a second, or past BUSY_RUN while the hub hears past HUB_FLOOD
+(a forger's NOTIFY), is not listened to for a while, and the hub listens on a fresh
+connection, past the flood's backlog: the muted run's followers poll fast meanwhile, and the
+others' doorbells do not queue behind the flood.
 
 A follower is rung once its channel is LISTENed to, so it reads what committed before then;
 its first read happens at once, without waiting for the LISTEN. When the LISTEN connection
