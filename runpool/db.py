@@ -29,6 +29,7 @@ __all__ = [
     "one_trip",
     "reach",
     "require_utf8",
+    "set_up",
     "translate_error",
 ]
 
@@ -220,6 +221,14 @@ def reach(dsn: str, setting: str, *, stateless: bool = False, name: str | None =
     except psycopg.OperationalError as exc:
         raise DatabaseUnreachable(f"{setting} cannot be connected to: {one_line(exc)}"
                                   ) from exc
+
+
+async def set_up(conn: psycopg.AsyncConnection[Any]) -> None:
+    """A pool's new session in autocommit, set up as every runpool connection: the codec and
+    SESSION_SETUP (the web app's pools and a FollowHub's readers)."""
+    configure(conn)
+    await conn.set_autocommit(True)
+    await conn.execute(SESSION_SETUP)
 
 
 async def aconnect(dsn: str, *, autocommit: bool = False, stateless: bool = False,

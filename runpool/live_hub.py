@@ -40,8 +40,7 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
-from .codec import configure
-from .db import SESSION_SETUP, aconnect, connection_options, named
+from .db import aconnect, connection_options, named, set_up
 from .deadlines import bounded
 from .listener import NoiseLog
 from .live import EVENTS, READ_SECONDS, RunEvent, Stream, channel, page_size, reads
@@ -50,8 +49,8 @@ from .tasks import cancel_all
 
 __all__ = ["FollowHub"]
 
-# A read's rows for one follower, and the most messages a run that read brought.
-Answer = tuple[list[tuple[Any, ...]], int]
+# A read's reply to one follower: its rows, and the most messages a run that read brought.
+Reply = tuple[list[tuple[Any, ...]], int]
 
 logger = logging.getLogger("runpool.live")
 
@@ -111,8 +110,7 @@ class FollowHub:
         self._dsn, self._name = dsn, name
         self._pool = AsyncConnectionPool(
             dsn, min_size=1, max_size=readers, name=name, open=False, max_idle=300,
-            kwargs={**connection_options(dsn), **named(dsn, {"autocommit": True}, name)},
-            configure=_configure)
+            kwargs={**connection_options(dsn), **named(dsn, {}, name)}, configure=set_up)
         # The bells of each followed run (one per follower), and the runs LISTENed to on the
         # current connection.
         self._bells: dict[uuid.UUID, set[asyncio.Event]] = {}
@@ -120,7 +118,7 @@ class FollowHub:
         self._changed = asyncio.Event()  # a run to LISTEN or UNLISTEN
         self._task: asyncio.Task[None] | None = None
         # The reads followers wait for, in the order they asked, and the tasks making them.
-        self._wanted: deque[tuple[Stream, asyncio.Future[Answer]]] = deque()
+        self._wanted: deque[tuple[Stream, asyncio.Future[Reply]]] = deque()
         self._work = asyncio.Event()  # a read is wanted
         self._readers: list[asyncio.Task[None]] = []
         self._closed = False
@@ -194,12 +192,12 @@ class FollowHub:
         finally:
             self._unsubscribe(stream.run_id, bell)
 
-    async def _read(self, stream: Stream) -> Answer:
+    async def _read(self, stream: Stream) -> Reply:
         """The stream's rows of the next read, made with the reads wanted meanwhile, and the
         page size that read had."""
         if self._closed:
             raise RuntimeError(CLOSED)
-        answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._wanted.append((stream, answer))
         self._work.set()
         return await answer
@@ -208,7 +206,7 @@ class FollowHub:
         """One of `readers`: reads for up to BATCH waiting followers at a time, in turn; a
         follower still catching up (its first read, or its last brought a full page) alone."""
         while True:
-            batch: list[tuple[Stream, asyncio.Future[Answer]]] = []
+            batch: list[tuple[Stream, asyncio.Future[Reply]]] = []
             while self._wanted and len(batch) < BATCH:
                 stream, answer = self._wanted[0]
                 if answer.done():  # (a follower gone meanwhile)
@@ -230,7 +228,7 @@ class FollowHub:
                     _answer(answer, exc=RuntimeError(CLOSED))
                 raise
 
-    async def _serve(self, batch: list[tuple[Stream, asyncio.Future[Answer]]]) -> None:
+    async def _serve(self, batch: list[tuple[Stream, asyncio.Future[Reply]]]) -> None:
         """Read for these followers in one statement, and answer each with its rows."""
         try:
             rows = await self._rows([stream for stream, _ in batch])
@@ -411,13 +409,8 @@ class FollowHub:
         return min(stream.poll, MUTED_POLL) if stream.run_id in self._muted else stream.poll
 
 
-async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
-    """A reader is set up as any runpool connection (aconnect): the codec and the session."""
-    configure(conn)
-    await conn.execute(SESSION_SETUP)
 
-
-def _answer(answer: asyncio.Future[Answer], rows: Answer | None = None, *,
+def _answer(answer: asyncio.Future[Reply], rows: Reply | None = None, *,
             exc: BaseException | None = None) -> None:
     """Answer a follower's read, unless it is gone (its future cancelled)."""
     if answer.done():

@@ -23,8 +23,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runpool.codec import configure
-from runpool.db import SESSION_SETUP, connect, connection_options
+from runpool.db import connect, connection_options, set_up
 from runpool.errors import InvalidInput, UsageError
 from runpool.live_hub import FollowHub
 from runpool.migrate import check
@@ -54,9 +53,7 @@ CSP: Final = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 
 
 
 async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
-    configure(conn)
-    await conn.set_autocommit(True)
-    await conn.execute(SESSION_SETUP)
+    await set_up(conn)
     # Read here, not at import: a test may shorten it.
     await conn.execute(WEB_SESSION, (STATEMENT_TIMEOUT,))
 
